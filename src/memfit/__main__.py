@@ -1,0 +1,5 @@
+import sys
+
+from memfit.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""`memfit` command line: parse, call the library, print. Subcommands: train, generate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+from memfit import __version__
+
+console = Console(stderr=False)
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (default: preset tiny on the built-in synthetic corpus)",
+        description="Train a Llama-family model on one device. Every flag is also settable as "
+        "--set section.key=value and from --config file.toml (flags override the file, --set overrides both).",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="TOML file with [model], [data], [train], ... sections",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any config key, e.g. --set train.weight_decay=0.0 (repeatable)",
+    )
+    p.add_argument(
+        "--model", help="preset (tiny, llama-1b, llama-2-7b, ...) or path to a HF config.json"
+    )
+    p.add_argument("--data", help="synthetic (built in), a .txt/.jsonl file, or a folder of them")
+    p.add_argument("--tokenizer", help="byte (default) or path to a tokenizer.json")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, help="sequences per forward/backward")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument(
+        "--checkpointing", choices=["none", "full", "selective"], help="activation checkpointing"
+    )
+    p.add_argument(
+        "--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain data parallel)"
+    )
+    p.add_argument("--offload", choices=["none", "optimizer", "params"])
+    p.add_argument("--attention", choices=["auto", "flash", "sdpa", "eager"])
+    p.add_argument("--optimizer", choices=["adamw", "sgd"])
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
+    p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out")
+    p.set_defaults(handler=_cmd_train)
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a trained checkpoint",
+        description="Sample a continuation of --prompt from a checkpoint (run directory or step_* directory).",
+    )
+    p.add_argument(
+        "checkpoint", help="run directory (uses its latest checkpoint) or a checkpoint directory"
+    )
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--tokenizer", help="override the tokenizer recorded in the checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(handler=_cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memfit",
+        description="Train and serve transformer language models in the GPU memory you have.",
+    )
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _train_parser(sub)
+    _generate_parser(sub)
+    return parser
+
+
+_TRAIN_FLAGS = {
+    "model": ("model", "name"),
+    "attention": ("model", "attention"),
+    "compile": ("model", "compile"),
+    "data": ("data", "source"),
+    "tokenizer": ("data", "tokenizer"),
+    "seq_len": ("data", "seq_len"),
+    "steps": ("train", "steps"),
+    "micro_batch": ("train", "micro_batch"),
+    "grad_accum": ("train", "grad_accum"),
+    "precision": ("train", "precision"),
+    "checkpointing": ("train", "checkpointing"),
+    "optimizer": ("train", "optimizer"),
+    "lr": ("train", "lr"),
+    "seed": ("train", "seed"),
+    "device": ("train", "device"),
+    "zero": ("distributed", "zero"),
+    "offload": ("distributed", "offload"),
+    "out": ("checkpoint", "out"),
+    "save_every": ("checkpoint", "save_every"),
+    "resume": ("checkpoint", "resume"),
+}
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from memfit.cli.train import run_train
+    from memfit.config import build_config
+
+    flags: dict[str, dict] = {}
+    for attr, (section, key) in _TRAIN_FLAGS.items():
+        value = getattr(args, attr)
+        if value is not None:
+            flags.setdefault(section, {})[key] = value
+    config = build_config(args.config, flags, args.sets)
+    return run_train(config, console)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from memfit.cli.generate import run_generate
+
+    return run_generate(args, console)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False, show_time=False)],
+    )
+    import torch
+
+    from memfit.train.checkpoint import CheckpointError
+    from memfit.train.engine import TrainingDiverged
+
+    try:
+        return args.handler(args)
+    except torch.OutOfMemoryError as error:
+        Console(stderr=True).print(
+            f"[bold red]out of memory:[/] {str(error).splitlines()[0]}\nTry a smaller --micro-batch (with a larger "
+            "--grad-accum), --checkpointing full, or a shorter --seq-len.",
+            highlight=False,
+        )
+        return 3
+    except (ValueError, FileNotFoundError, CheckpointError, TrainingDiverged) as error:
+        if args.verbose:
+            raise
+        Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[yellow]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

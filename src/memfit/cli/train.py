@@ -1,0 +1,88 @@
+"""`memfit train`: build the Trainer, show progress (loss, tokens/s, memory), print a summary."""
+
+from __future__ import annotations
+
+import statistics
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from memfit.config import Config
+from memfit.models.config import format_params
+from memfit.train.engine import StepMetrics, Trainer
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def run_train(config: Config, console: Console) -> int:
+    trainer = Trainer(config)
+    mc = trainer.model_config
+    console.print(
+        f"[bold]memfit train[/] model [cyan]{mc.name}[/] ({format_params(mc.num_params)} params) on "
+        f"[cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x micro-batch "
+        f"{config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing {config.train.checkpointing}, "
+        f"run dir [cyan]{trainer.run_dir}[/]",
+        highlight=False,
+    )
+    if trainer.resumed_from is not None:
+        console.print(
+            f"resumed from [cyan]{trainer.resumed_from}[/] at step {trainer.step}", highlight=False
+        )
+
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "loss [bold]{task.fields[loss]}[/]  {task.fields[speed]} tok/s  mem {task.fields[mem]}"
+        ),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task = progress.add_task(
+        "train", total=config.train.steps, completed=trainer.step, loss="-", speed="-", mem="-"
+    )
+
+    def on_step(m: StepMetrics) -> None:
+        progress.update(
+            task,
+            completed=m.step,
+            loss=f"{m.loss:.4f}" + (" (skipped)" if m.skipped else ""),
+            speed=f"{m.tokens_per_s:,.0f}",
+            mem=gib(m.mem_peak_bytes),
+        )
+        if m.step % max(1, config.train.steps // 10) == 0 or m.step == config.train.steps:
+            progress.console.print(
+                f"step {m.step:>6}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad-norm {m.grad_norm:.3f}  "
+                f"{m.tokens_per_s:,.0f} tok/s  mem {gib(m.mem_allocated_bytes)} (peak {gib(m.mem_peak_bytes)})"
+                + (f"  MFU {m.mfu:.1%}" if m.mfu is not None else ""),
+                highlight=False,
+            )
+
+    with progress:
+        history = trainer.fit(on_step)
+
+    table = Table(title="memfit train: summary", show_header=False)
+    if history:
+        timed = history[1:] if len(history) > 1 else history  # the first step includes warm-up
+        speed = sum(m.tokens for m in timed) / sum(m.step_time_s for m in timed)
+        table.add_row("steps", f"{history[0].step} .. {history[-1].step}")
+        table.add_row("loss first / last", f"{history[0].loss:.4f} / {history[-1].loss:.4f}")
+        table.add_row("tokens this run", f"{sum(m.tokens for m in history):,}")
+        table.add_row("tokens/s (after first step)", f"{speed:,.0f}")
+        table.add_row(
+            "median step time", f"{statistics.median(m.step_time_s for m in timed) * 1e3:.1f} ms"
+        )
+        if history[-1].mfu is not None:
+            table.add_row("MFU", f"{speed * trainer.flops_per_token / trainer.peak_flops:.1%}")
+        table.add_row("peak memory", gib(max(m.mem_peak_bytes for m in history)))
+        skipped = sum(m.skipped for m in history)
+        if skipped:
+            table.add_row("skipped steps (fp16 overflow)", str(skipped))
+    table.add_row("metrics", str(trainer.run_dir / "metrics.jsonl"))
+    table.add_row("checkpoint", str(trainer.run_dir / "checkpoints"))
+    console.print(table)
+    return 0

@@ -1,0 +1,311 @@
+"""Run configuration: one dataclass per section, loaded from TOML, overridden by CLI flags and by
+`--set section.key=value`, validated on construction.
+
+Precedence, lowest first: the defaults below, `--config file.toml`, CLI flags, `--set`.
+An unknown section or key is an error that names the nearest valid one.
+
+    [model]
+    name = "llama-1b"          # a preset or the path of a Hugging Face config.json
+    [train]
+    micro_batch = 4
+    precision = "bf16"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class _Section:
+    """Checks every `Literal` field against its allowed values after construction."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        section = _SECTION_NAMES.get(type(self).__name__, type(self).__name__)
+        for f in dataclasses.fields(self):
+            allowed = _literal_values(hints[f.name])
+            value = getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                raise ValueError(
+                    f"{section}.{f.name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
+                )
+        self.validate()
+
+    def validate(self) -> None:
+        pass
+
+
+def _literal_values(hint: Any) -> tuple[Any, ...] | None:
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    return None
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class ModelSection(_Section):
+    name: str = "tiny"
+    """A preset (tiny, llama-1b, llama-2-7b, ...) or the path of a Hugging Face config.json."""
+    attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
+    compile: bool = False
+    """Wrap each transformer block in torch.compile."""
+
+
+@dataclass(kw_only=True)
+class DataSection(_Section):
+    source: str = "synthetic"
+    """'synthetic' (built in), or a .txt / .jsonl file or a folder of them."""
+    tokenizer: str = "byte"
+    """'byte' or the path of a tokenizer.json (Hugging Face tokenizers)."""
+    seq_len: int = 256
+    jsonl_field: str = "text"
+
+    def validate(self) -> None:
+        _positive("data", seq_len=self.seq_len)
+
+
+@dataclass(kw_only=True)
+class TrainSection(_Section):
+    steps: int = 250
+    micro_batch: int = 8
+    grad_accum: int = 1
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 on a GPU that has it, else fp32."""
+    checkpointing: Literal["none", "full", "selective"] = "none"
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 25
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    momentum: float = 0.9
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 0
+    device: str = "auto"
+    """auto: cuda if present, else cpu."""
+
+    def validate(self) -> None:
+        _positive(
+            "train",
+            steps=self.steps,
+            micro_batch=self.micro_batch,
+            grad_accum=self.grad_accum,
+            lr=self.lr,
+        )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError(
+                "train.warmup_steps, train.grad_clip and train.weight_decay must be >= 0"
+            )
+
+
+@dataclass(kw_only=True)
+class LossScaleSection(_Section):
+    """Dynamic loss scaling for fp16 (ignored in fp32 and bf16)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def validate(self) -> None:
+        _positive("loss_scale", init_scale=self.init_scale, growth_interval=self.growth_interval)
+        if self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
+            raise ValueError(
+                f"loss_scale.growth_factor must be > 1 and backoff_factor in (0, 1); "
+                f"got {self.growth_factor} and {self.backoff_factor}"
+            )
+
+
+@dataclass(kw_only=True)
+class CheckpointSection(_Section):
+    out: str = ""
+    """Run directory: metrics.jsonl, checkpoints/ ('' : runs/<model>-<date>-<time>)."""
+    save_every: int = 0
+    """Save every N optimizer steps (0: only at the end)."""
+    keep: int = 2
+    """How many most recent checkpoints to keep."""
+    resume: bool = False
+
+    def validate(self) -> None:
+        if self.save_every < 0 or self.keep < 1:
+            raise ValueError(
+                f"checkpoint.save_every must be >= 0 and keep >= 1, got {self.save_every}, {self.keep}"
+            )
+
+
+@dataclass(kw_only=True)
+class DistributedSection(_Section):
+    zero: Literal[0, 1, 2, 3] = 0
+    offload: Literal["none", "optimizer", "params"] = "none"
+    timeout_s: float = 600.0
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        sections: dict[str, Any] = {}
+        for name, values in data.items():
+            section_cls = _section_class(name)
+            if not isinstance(values, dict):
+                raise ValueError(f"[{name}] must be a table of keys, got {values!r}")
+            known = {f.name: f for f in dataclasses.fields(section_cls)}
+            kwargs = {}
+            for key, value in values.items():
+                if key not in known:
+                    raise ValueError(_unknown(f"{name}.{key}", [f"{name}.{k}" for k in known]))
+                kwargs[key] = _coerce(
+                    f"{name}.{key}", value, typing.get_type_hints(section_cls)[key]
+                )
+            sections[name] = section_cls(**kwargs)
+        return cls(**sections)
+
+
+_SECTIONS = {
+    "model": ModelSection,
+    "data": DataSection,
+    "train": TrainSection,
+    "loss_scale": LossScaleSection,
+    "checkpoint": CheckpointSection,
+    "distributed": DistributedSection,
+}
+_SECTION_NAMES = {cls.__name__: name for name, cls in _SECTIONS.items()}
+
+
+def _section_class(name: str) -> type:
+    if name not in _SECTIONS:
+        raise ValueError(
+            _unknown(f"[{name}]", [f"[{s}]" for s in _SECTIONS], what="config section")
+        )
+    return _SECTIONS[name]
+
+
+def _unknown(name: str, valid: list[str], what: str = "config key") -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(valid)}"
+    return f"unknown {what} {name!r}{hint}"
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Turn a TOML value or a `--set` string into the field's type, with a clear error."""
+    allowed = _literal_values(hint)
+    target = type(allowed[0]) if allowed else hint
+    if typing.get_origin(target) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        target = next(t for t in typing.get_args(target) if t is not type(None))
+    try:
+        if target is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in (
+                "true",
+                "1",
+                "yes",
+                "on",
+                "false",
+                "0",
+                "no",
+                "off",
+            ):
+                return value.lower() in ("true", "1", "yes", "on")
+            raise ValueError
+        if target is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if target is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if target is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} = {value!r} is not a valid {target.__name__}") from None
+    return value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not valid TOML: {error}") from None
+
+
+def apply_set(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `section.key=value` to a config dict (values coerced later by from_dict)."""
+    if "=" not in assignment or "." not in assignment.split("=", 1)[0]:
+        raise ValueError(f"--set expects section.key=value, got {assignment!r}")
+    dotted, value = assignment.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    _section_class(section)
+    data.setdefault(section, {})[key] = value.strip()
+
+
+def build_config(
+    config_file: str | None = None,
+    flags: dict[str, dict[str, Any]] | None = None,
+    sets: list[str] | None = None,
+) -> Config:
+    """Merge defaults < TOML file < CLI flags < --set assignments into a validated Config."""
+    data: dict[str, dict[str, Any]] = {}
+    if config_file:
+        for section, values in load_toml(config_file).items():
+            _section_class(section)
+            if not isinstance(values, dict):
+                raise ValueError(f"[{section}] in {config_file!r} must be a table")
+            data.setdefault(section, {}).update(values)
+    for section, values in (flags or {}).items():
+        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    for assignment in sets or []:
+        apply_set(data, assignment)
+    return Config.from_dict(data)
+
+
+def to_toml(config: Config) -> str:
+    """Serialize a Config as TOML (flat sections of scalars), for run directories."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (int, float)):
+                text = repr(value)
+            else:
+                text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

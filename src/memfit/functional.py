@@ -1,0 +1,126 @@
+"""Public, typed entry points to memfit's ops. Modules call these, never an op's Function directly.
+
+Shapes follow the contract of DESIGN.md: attention takes (batch, seqlen, heads, head_dim).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from memfit.ops.cross_entropy import linear_cross_entropy
+from memfit.ops.rms_norm import rms_norm
+from memfit.ops.rotary import apply_rotary, rotary_cos_sin
+from memfit.ops.swiglu import swiglu
+
+__all__ = [
+    "AttentionBackend",
+    "apply_rotary",
+    "attention",
+    "linear_cross_entropy",
+    "resolve_attention",
+    "rms_norm",
+    "rotary_cos_sin",
+    "swiglu",
+]
+
+AttentionBackend = Literal["auto", "flash", "sdpa", "eager"]
+
+
+def resolve_attention(backend: AttentionBackend, device: torch.device) -> Literal["sdpa", "eager"]:
+    """The backend that `attention` will run for `backend` on `device`.
+
+    `auto` is torch SDPA for now (which picks FlashAttention-2 or cuDNN on CUDA); memfit's own
+    Triton FlashAttention arrives with its kernel and becomes `auto` on CUDA then.
+    """
+    if backend in ("auto", "sdpa"):
+        return "sdpa"
+    if backend == "eager":
+        return "eager"
+    if backend == "flash":
+        raise ValueError(
+            "attention='flash' (memfit's Triton FlashAttention) is not in this version yet; "
+            "use --attention sdpa (torch's fused attention, the default) or eager"
+        )
+    raise ValueError(
+        f"unknown attention backend {backend!r}; choose one of auto, flash, sdpa, eager"
+    )
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    backend: Literal["sdpa", "eager"] = "sdpa",
+) -> Tensor:
+    """Scaled dot-product attention with grouped key/value heads.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
+    heads_q % heads_kv == 0. Returns (batch, seqlen_q, heads_q, head_dim).
+    The causal mask is aligned bottom-right: query i sees keys up to i + seqlen_k - seqlen_q (so a
+    decode step with a cache sees every cached key). `window`, if set, also hides keys more than
+    `window - 1` positions behind the query (Mistral's sliding window).
+    """
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    if heads_q % heads_kv != 0:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
+    mask = _mask(seqlen_q, seqlen_k, causal, window, q.device)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+    if backend == "eager":
+        out = _eager_attention(q, k, v, mask, causal)
+    else:
+        gqa = {"enable_gqa": True} if heads_kv != heads_q else {}
+        is_causal = mask is None and causal and seqlen_q > 1
+        if is_causal and seqlen_q != seqlen_k:  # SDPA aligns is_causal top-left
+            mask = _mask(seqlen_q, seqlen_k, True, None, q.device, force=True)
+            is_causal = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
+    return out.transpose(1, 2)  # (B, T, nh, hs)
+
+
+def _mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+    force: bool = False,
+) -> Tensor | None:
+    """Boolean (seqlen_q, seqlen_k) mask, True where attention is allowed; None when the plain
+    causal (square) or unmasked case applies, so SDPA can take its mask-free fast path."""
+    needs_window = window is not None and seqlen_k > window
+    if not force and not needs_window and (not causal or seqlen_q == seqlen_k or seqlen_q == 1):
+        return None
+    query_pos = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=device)[:, None]
+    key_pos = torch.arange(seqlen_k, device=device)[None, :]
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= key_pos <= query_pos
+    if needs_window:
+        allowed &= key_pos > query_pos - window
+    return allowed
+
+
+def _eager_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """Reference path: materializes the (T_q, T_k) scores, softmax in fp32. Inputs (B, nh, T, hs)."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-2, -1)).to(torch.promote_types(q.dtype, torch.float32)) * q.shape[
+        -1
+    ] ** -0.5
+    if mask is None and causal and seqlen_q > 1:
+        mask = _mask(seqlen_q, seqlen_k, True, None, q.device, force=True)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return probs @ v

@@ -1,0 +1,298 @@
+"""Model shapes: the `ModelConfig` dataclass, the built-in presets, and the reader of Hugging Face
+`config.json` files for Llama-family models (Llama 2/3, Mistral, Qwen2), read from disk only.
+
+The preset shapes are the published ones; benchmarks compare memfit against other systems on
+exactly these shapes, so a change here is a change of every number in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """Shapes of a Llama-family decoder.
+
+    Attention has `num_heads` query heads and `num_kv_heads` key/value heads (GQA; MQA when 1),
+    each of size `head_dim` (default hidden_size // num_heads). The MLP is SwiGLU of width
+    `intermediate_size`. `rope_scaling` is Hugging Face's dict (only the "llama3" type is known).
+    `sliding_window`, when set, limits each query to that many most recent keys (Mistral v0.1).
+    """
+
+    name: str = "custom"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=True)
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"model {self.name!r}: {key} must be a positive integer, got {value!r}"
+                )
+        if self.intermediate_size < 1:
+            raise ValueError(
+                f"model {self.name!r}: intermediate_size must be >= 1, got {self.intermediate_size}"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"model {self.name!r}: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}; grouped-query attention shares each key/value "
+                "head among an equal number of query heads"
+            )
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads != 0:
+                raise ValueError(
+                    f"model {self.name!r}: hidden_size={self.hidden_size} is not divisible by "
+                    f"num_heads={self.num_heads}; set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"model {self.name!r}: head_dim must be even for RoPE, got {self.head_dim}"
+            )
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rope_type not in ("llama3", "default"):
+                raise ValueError(
+                    f"model {self.name!r}: rope_scaling type {rope_type!r} is not supported; "
+                    "known: 'llama3' (Llama 3.1+) or none"
+                )
+
+    @property
+    def num_params(self) -> int:
+        """Exact parameter count (embeddings included, tied ones counted once)."""
+        h, d = self.hidden_size, self.head_dim
+        q = self.num_heads * d
+        kv = self.num_kv_heads * d
+        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attention + mlp + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + h
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
+        score and value products, 12 * layers * heads * head_dim * seq_len, halved when causal
+        (the convention of ANCHORS.md and PaLM, Chowdhery et al. 2022, appendix B)."""
+        attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6 * self.num_params + attention * (0.5 if causal else 1.0)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # A CPU demo: learns the built-in synthetic corpus in about two minutes on two cores.
+    "tiny": ModelConfig(
+        name="tiny",
+        vocab_size=258,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=352,
+        max_seq_len=512,
+    ),
+    # 953.2M parameters: the 1B shape of the anchors (untied, MHA).
+    "llama-1b": ModelConfig(
+        name="llama-1b",
+        vocab_size=32000,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=16,
+        intermediate_size=5632,
+        max_seq_len=2048,
+    ),
+    "llama-2-7b": ModelConfig(
+        name="llama-2-7b",
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        intermediate_size=11008,
+        max_seq_len=4096,
+    ),
+    "llama-2-13b": ModelConfig(
+        name="llama-2-13b",
+        vocab_size=32000,
+        hidden_size=5120,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=40,
+        intermediate_size=13824,
+        max_seq_len=4096,
+    ),
+    "llama-3-8b": ModelConfig(
+        name="llama-3-8b",
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama-3-70b": ModelConfig(
+        name="llama-3-70b",
+        vocab_size=128256,
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        intermediate_size=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    # Mistral 7B v0.1: sliding window of 4096 tokens.
+    "mistral-7b": ModelConfig(
+        name="mistral-7b",
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        max_seq_len=32768,
+        sliding_window=4096,
+    ),
+    "qwen2.5-7b": ModelConfig(
+        name="qwen2.5-7b",
+        vocab_size=152064,
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        intermediate_size=18944,
+        max_seq_len=131072,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+    ),
+}
+
+# Hugging Face `model_type`s whose config.json maps onto this decoder.
+SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
+
+
+def from_hf_config(path: str | Path) -> ModelConfig:
+    """Read a Hugging Face `config.json` (or a directory holding one) of a Llama-family model."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no Hugging Face config.json at {str(path)!r}")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {error}") from None
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_HF_TYPES:
+        raise ValueError(
+            f"{str(path)!r} describes model_type={model_type!r}, which memfit does not support; "
+            f"supported: {', '.join(SUPPORTED_HF_TYPES)} (Llama-family decoders)"
+        )
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+    ):
+        if key not in hf:
+            raise ValueError(
+                f"{str(path)!r} lacks the key {key!r} that a {model_type} config must have"
+            )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"{str(path)!r}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU needs 'silu')"
+        )
+    num_heads = hf["num_attention_heads"]
+    sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        sliding_window = hf.get("sliding_window")
+    return ModelConfig(
+        name=str(hf.get("_name_or_path") or path.parent.name or "hf"),
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        intermediate_size=hf["intermediate_size"],
+        head_dim=hf.get("head_dim") or 0,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(
+            hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        ),
+        rope_scaling=_rope_scaling(hf),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        sliding_window=sliding_window,
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    return {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
+def load_model_config(spec: str) -> ModelConfig:
+    """A preset name (see `PRESETS`) or a path to a Hugging Face config.json (or its directory)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_dir() or path.exists():
+        return from_hf_config(path)
+    close = difflib.get_close_matches(spec, PRESETS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"unknown model {spec!r}{hint} Known presets: {', '.join(PRESETS)}; "
+        "or give the path of a Hugging Face config.json"
+    )
+
+
+def format_params(count: int) -> str:
+    """953_200_000 -> '953.2M'."""
+    if count >= 1e9:
+        return f"{count / 1e9:.2f}B"
+    if count >= 1e6:
+        return f"{count / 1e6:.1f}M"
+    return f"{count / 1e3:.1f}K" if count >= 1e3 else str(count)
+
+
+def _check_presets() -> None:
+    # llama-1b is the anchor shape: its count is a contract (DESIGN.md).
+    assert math.isclose(PRESETS["llama-1b"].num_params / 1e6, 953.2, abs_tol=0.05)
+
+
+_check_presets()

@@ -1,0 +1,367 @@
+"""The single-device training engine.
+
+`Trainer(config)` builds, in this order (each step documented where it is done):
+  1. device, precision, seeds;
+  2. data (tokenizer, packed token batches);
+  3. the model, constructed on the meta device and materialized on the target device;
+  4. techniques applied to the plain model: activation checkpointing, then torch.compile;
+  5. optimizer, LR schedule, loss scaler;
+  6. resume from the run directory's latest checkpoint if asked.
+`Trainer.fit()` runs the optimizer steps; each step:
+  - draws `grad_accum` micro-batches and counts their target tokens T;
+  - for each micro-batch: forward under autocast, loss = (sum of token losses) / T, backward
+    (so k micro-batches of b sequences give exactly the gradient of one batch of k*b);
+  - unscales fp16 gradients and skips the step on inf/NaN; clips the global norm; steps;
+  - stops with `TrainingDiverged` on a non-finite loss in fp32/bf16, before anything is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.config import Config, to_toml
+from memfit.functional import resolve_attention
+from memfit.models.config import load_model_config
+from memfit.models.llama import build_model
+from memfit.train import checkpoint as ckpt
+from memfit.train.checkpointing import apply_activation_checkpointing
+from memfit.train.data import build_data
+from memfit.train.optim import build_optimizer, build_scheduler
+from memfit.train.precision import DynamicLossScaler, autocast, resolve_precision
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or inf (fp32/bf16), or fp16 kept overflowing."""
+
+
+class ConfigError(ValueError):
+    """A strategy that cannot run as configured."""
+
+
+# Dense bf16 tensor-core peak of known GPUs, for the MFU column (the planner's hardware catalog
+# supersedes this table).
+_PEAK_BF16_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in _PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"train.device = {spec!r} but no CUDA device is present; use 'auto' or 'cpu'"
+        )
+    return device
+
+
+def default_run_dir(model_name: str) -> str:
+    return os.path.join("runs", f"{Path(model_name).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def memory_stats(device: torch.device) -> tuple[int, int]:
+    """(allocated, peak) bytes: torch.cuda's allocator statistics on CUDA; on CPU the process's
+    resident set size now and at its maximum."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        current = peak
+    return current, peak
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    tokens: int
+    tokens_per_s: float
+    step_time_s: float
+    lr: float
+    grad_norm: float
+    mem_allocated_bytes: int
+    mem_peak_bytes: int
+    loss_scale: float | None = None
+    skipped: bool = False
+    mfu: float | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in self.__dict__.items() if v is not None})
+
+
+class Trainer:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        train = config.train
+        if config.distributed.zero > 0 or config.distributed.offload != "none":
+            raise ConfigError(
+                f"--zero {config.distributed.zero} / --offload {config.distributed.offload}: ZeRO sharding "
+                "and offload are not in this version of memfit yet; train with --zero 0 --offload none"
+            )
+
+        # 1. device, precision, seeds
+        self.device = resolve_device(train.device)
+        self.precision = resolve_precision(train.precision, self.device)
+        if (
+            self.precision == "bf16"
+            and self.device.type == "cuda"
+            and not torch.cuda.is_bf16_supported()
+        ):
+            raise ConfigError(
+                "precision bf16 needs a GPU with bfloat16 support (Ampere or newer); use fp16 or fp32"
+            )
+        random.seed(train.seed)
+        torch.manual_seed(train.seed)
+
+        # 2. data
+        self.model_config = load_model_config(config.model.name)
+        if config.data.seq_len > self.model_config.max_seq_len:
+            raise ConfigError(
+                f"--seq-len {config.data.seq_len} exceeds model {self.model_config.name!r}'s "
+                f"max_seq_len={self.model_config.max_seq_len}"
+            )
+        self.tokenizer, self.batches = build_data(
+            config.data.source,
+            config.data.tokenizer,
+            seq_len=config.data.seq_len,
+            micro_batch=train.micro_batch,
+            seed=train.seed,
+            jsonl_field=config.data.jsonl_field,
+        )
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ConfigError(
+                f"tokenizer {self.tokenizer.name!r} has {self.tokenizer.vocab_size} tokens but model "
+                f"{self.model_config.name!r} only {self.model_config.vocab_size} embeddings"
+            )
+
+        # 3. model (meta-device construction, then materialized and initialized)
+        attention = resolve_attention(config.model.attention, self.device)
+        self.model = build_model(
+            self.model_config, device=self.device, attention=attention, seed=train.seed
+        )
+        self.model.train()
+
+        # 4. techniques, in order: activation checkpointing, then compile
+        apply_activation_checkpointing(self.model, train.checkpointing)
+        if config.model.compile:
+            for block in self.model.layers:
+                block.compile()
+
+        # 5. optimizer, schedule, loss scaler
+        self.optimizer = build_optimizer(self.model, train)
+        self.scheduler = build_scheduler(self.optimizer, train)
+        ls = config.loss_scale
+        self.scaler = DynamicLossScaler(
+            init_scale=ls.init_scale,
+            growth_factor=ls.growth_factor,
+            backoff_factor=ls.backoff_factor,
+            growth_interval=ls.growth_interval,
+            enabled=self.precision == "fp16",
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self.consecutive_skips = 0
+        if config.checkpoint.resume and not config.checkpoint.out:
+            raise ConfigError("--resume needs --out DIR, the run directory to continue")
+        self.run_dir = Path(config.checkpoint.out or default_run_dir(self.model_config.name))
+        if not config.checkpoint.resume and ckpt.find_checkpoint(self.run_dir) is not None:
+            raise ConfigError(
+                f"{str(self.run_dir)!r} already holds a run with checkpoints; pass --resume to continue it, "
+                "or choose another --out"
+            )
+        self.peak_flops = device_peak_flops(self.device)
+        self.flops_per_token = self.model_config.flops_per_token(config.data.seq_len)
+
+        # 6. resume
+        self.resumed_from: Path | None = None
+        if config.checkpoint.resume:
+            self._resume()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.batches.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+        }
+        if self.device.type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(
+            self.run_dir,
+            step=self.step,
+            model=self.model,
+            model_config=self.model_config,
+            trainer_state=self.trainer_state(),
+            config_toml=to_toml(self.config),
+            tokenizer=self.config.data.tokenizer,
+            keep=self.config.checkpoint.keep,
+        )
+
+    def _resume(self) -> None:
+        checkpoint = ckpt.find_checkpoint(self.run_dir)
+        if checkpoint is None:
+            logger.warning("--resume: no checkpoint in %s; starting from step 0", self.run_dir)
+            return
+        meta = ckpt.read_meta(checkpoint)
+        ckpt.check_model_matches(meta, self.model_config, checkpoint)
+        ckpt.load_model_weights(checkpoint, self.model)
+        state = ckpt.load_trainer_state(checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.batches.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng_cpu"])
+        if self.device.type == "cuda" and "rng_cuda" in state:
+            torch.cuda.set_rng_state(state["rng_cuda"], self.device)
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.resumed_from = checkpoint
+        logger.info("resumed from %s at step %d", checkpoint, self.step)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train_step(self) -> StepMetrics:
+        """One optimizer step over `grad_accum` micro-batches."""
+        train = self.config.train
+        start = time.perf_counter()
+        micro_batches = [next(self.batches) for _ in range(train.grad_accum)]
+        num_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, targets in micro_batches:
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            with autocast(self.precision, self.device):
+                loss = self.model(inputs, targets) / num_tokens
+            self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        finite = self.scaler.unscale_and_check(params)
+        grad_norm = torch.zeros((), device=self.device)
+        if finite:
+            if train.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=True)
+            else:
+                grad_norm = torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in params if p.grad is not None])
+                )
+            self.optimizer.step()
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        if finite:  # a skipped step does not advance the schedule
+            self.scheduler.step()
+
+        loss_value = loss_sum.item()  # the one host sync of the step
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        self.tokens_seen += num_tokens
+        if not finite:
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= 50:
+                raise TrainingDiverged(
+                    f"fp16 gradients overflowed in 50 consecutive steps (last: step {self.step}); the loss "
+                    f"scale fell to {self.scaler.scale_value:g}. Try bf16, a lower --lr, or gradient clipping"
+                )
+        else:
+            self.consecutive_skips = 0
+            if not math.isfinite(loss_value):
+                raise TrainingDiverged(
+                    f"loss became {loss_value} at step {self.step} ({self.precision}); nothing was saved for "
+                    "this step. Lower --lr, raise warmup, or check the data; --resume restarts from the last checkpoint"
+                )
+        allocated, peak = memory_stats(self.device)
+        tokens_per_s = num_tokens / elapsed
+        return StepMetrics(
+            step=self.step,
+            loss=loss_value,
+            tokens=num_tokens,
+            tokens_per_s=tokens_per_s,
+            step_time_s=elapsed,
+            lr=lr,
+            grad_norm=float(grad_norm),
+            mem_allocated_bytes=allocated,
+            mem_peak_bytes=peak,
+            loss_scale=self.scaler.scale_value if self.scaler.enabled else None,
+            skipped=not finite,
+            mfu=tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None,
+        )
+
+    def fit(self, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+        """Train until `train.steps`, writing metrics.jsonl and checkpoints. Returns this call's
+        step metrics."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        self._prepare_metrics_file(metrics_path)
+        every = self.config.checkpoint.save_every
+        history: list[StepMetrics] = []
+        with metrics_path.open("a") as metrics_file:
+            while self.step < self.config.train.steps:
+                metrics = self.train_step()
+                history.append(metrics)
+                metrics_file.write(metrics.to_json() + "\n")
+                metrics_file.flush()
+                if on_step is not None:
+                    on_step(metrics)
+                if every and self.step % every == 0 and self.step < self.config.train.steps:
+                    self.save()
+        if history or self.resumed_from is None:
+            self.save()
+        return history
+
+    def _prepare_metrics_file(self, path: Path) -> None:
+        """Fresh run: start the file anew. Resumed run: keep the lines up to the resumed step, so
+        the file reads as one uninterrupted run."""
+        if not path.exists():
+            return
+        if self.step == 0:
+            path.unlink()
+            return
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if line and json.loads(line)["step"] <= self.step
+        ]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)

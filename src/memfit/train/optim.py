@@ -1,0 +1,58 @@
+"""Optimizers and the learning-rate schedule.
+
+AdamW uses PyTorch's fused CUDA kernel where available (one launch for all parameters), else
+the multi-tensor (foreach) path. Weight decay applies to matrices and embeddings only, not to
+norm weights or biases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from memfit.config import TrainSection
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
+    groups = parameter_groups(model, train.weight_decay)
+    device = next(model.parameters()).device
+    if train.optimizer == "adamw":
+        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(
+            groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **fast
+        )
+    return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum, foreach=True)
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, train: TrainSection
+) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = min(train.warmup_steps, max(0, train.steps - 1))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(
+            step, warmup_steps=warmup, total_steps=train.steps, min_lr_ratio=train.min_lr_ratio
+        ),
+    )

@@ -1,0 +1,125 @@
+"""Mixed precision: autocast contexts and the dynamic loss scaler for fp16.
+
+- fp32: no autocast.
+- bf16: torch.autocast to bfloat16 with fp32 master weights (the parameters stay fp32; the
+  optimizer updates them; bf16 has fp32's exponent range, so no loss scaling is needed).
+- fp16: autocast to float16 with fp32 master weights and dynamic loss scaling (Micikevicius et
+  al. 2018, "Mixed Precision Training", section 3.2): the loss is multiplied by a scale S before
+  backward so small gradients survive fp16's range; gradients are unscaled before clipping and
+  the step; a step whose gradients hold inf/NaN is skipped (weights and optimizer untouched) and
+  S is multiplied by `backoff_factor`; after `growth_interval` clean steps S grows by
+  `growth_factor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' becomes bf16 on a CUDA device that supports it, else fp32."""
+    if precision != "auto":
+        if precision == "fp16" and device.type == "cpu":
+            logger.warning(
+                "fp16 on CPU is slow and meant for testing; bf16 or fp32 is faster there"
+            )
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+class DynamicLossScaler:
+    """Loss scaling for fp16 training. Use:
+
+    scaler.scale(loss).backward()
+    if scaler.unscale_and_check(params):   # False: inf/NaN found, skip the step
+        optimizer.step()
+    scaler.update()
+    """
+
+    def __init__(
+        self,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+        enabled: bool = True,
+    ) -> None:
+        self.scale_value = float(init_scale) if enabled else 1.0
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.enabled = enabled
+        self.clean_steps = 0
+        self.found_inf = False
+        self.skipped_steps = 0
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return loss * self.scale_value if self.enabled else loss
+
+    @torch.no_grad()
+    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Divide gradients by the scale in place; return False if any is inf or NaN.
+
+        One fused multiply and one finiteness reduction over all gradients (foreach kernels),
+        then a single host sync for the decision."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.enabled:
+            self.found_inf = False
+            return True
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale_value)
+            norms = torch._foreach_norm(grads, float("inf"))
+            self.found_inf = not bool(torch.isfinite(torch.stack(norms)).all())
+        else:
+            self.found_inf = False
+        return not self.found_inf
+
+    def update(self) -> None:
+        """Back off after an overflow, grow after `growth_interval` clean steps."""
+        if not self.enabled:
+            return
+        if self.found_inf:
+            self.scale_value = max(self.scale_value * self.backoff_factor, self.min_scale)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            logger.info(
+                "fp16 overflow: step skipped, loss scale backed off to %g", self.scale_value
+            )
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self.clean_steps = 0
+        self.found_inf = False
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {
+            "scale": self.scale_value,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale_value = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -1,0 +1,212 @@
+import math
+
+import pytest
+import torch
+
+from memfit.ops.rotary import apply_rotary, rotary_cos_sin
+from tests.reference import assert_error_within, rotary_reference, saved_tensor_bytes
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "heads", "head_dim"), [(1, 1, 1, 8), (2, 17, 3, 48), (1, 97, 2, 130)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_row_positions", [False, True])
+def test_matches_fp64_reference(batch, seq, heads, head_dim, dtype, per_row_positions):
+    torch.manual_seed(0)
+    if per_row_positions:  # e.g. packed sequences: each row has its own positions
+        positions = torch.randint(0, 4096, (batch, seq))
+    else:
+        positions = seq
+    cos, sin = rotary_cos_sin(positions, head_dim, theta=10000.0)
+    x = torch.randn(batch, seq, heads, head_dim, dtype=torch.float64).to(dtype)
+    grad_out = torch.randn(batch, seq, heads, head_dim, dtype=torch.float64).to(dtype)
+
+    def run(function, x, cos, sin, grad_out):
+        x = x.detach().requires_grad_()
+        out = function(x, cos, sin)
+        out.backward(grad_out)
+        return out, x.grad
+
+    out, grad = run(apply_rotary, x, cos, sin, grad_out)
+    base_out, base_grad = run(rotary_reference, x, cos, sin, grad_out)
+    exact_out, exact_grad = run(
+        rotary_reference, x.double(), cos.double(), sin.double(), grad_out.double()
+    )
+
+    assert out.dtype == dtype and grad.dtype == dtype
+    assert_error_within(out, base_out, exact_out, name="out")
+    assert_error_within(grad, base_grad, exact_grad, name="grad_x")
+
+
+@pytest.mark.parametrize("table_shape", [(5, 8), (2, 5, 8)])
+def test_gradcheck_in_fp64_with_arbitrary_tables(table_shape):
+    torch.manual_seed(0)
+    # Tables whose halves differ: the backward must be the exact transpose, not just -angle.
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
+    cos = torch.randn(table_shape, dtype=torch.float64)
+    sin = torch.randn(table_shape, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x: apply_rotary(x, cos, sin), (x,), fast_mode=True)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), rotary_reference(x, cos, sin))
+
+
+def test_non_contiguous_view_of_fused_qkv():
+    torch.manual_seed(0)
+    batch, seq, heads, head_dim = 2, 13, 4, 16
+    qkv = torch.randn(batch, seq, 3 * heads * head_dim, dtype=torch.bfloat16, requires_grad=True)
+    k = qkv.view(batch, seq, 3, heads, head_dim)[:, :, 1]  # (batch, seq, heads, head_dim)
+    assert not k.is_contiguous()
+    cos, sin = rotary_cos_sin(seq, head_dim, theta=500000.0)
+    out = apply_rotary(k, cos, sin)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    k_contiguous = k.detach().contiguous().requires_grad_()
+    expected = apply_rotary(k_contiguous, cos, sin)
+    expected.backward(grad_out)
+    assert torch.equal(out, expected)
+    grad_qkv = qkv.grad.view(batch, seq, 3, heads, head_dim)
+    assert torch.equal(grad_qkv[:, :, 1], k_contiguous.grad)
+    assert (
+        torch.count_nonzero(grad_qkv[:, :, 0]) == 0 and torch.count_nonzero(grad_qkv[:, :, 2]) == 0
+    )
+
+
+def test_saves_only_cos_and_sin():
+    torch.manual_seed(0)
+    x = torch.randn(2, 31, 4, 32, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(31, 32, theta=10000.0)
+    _, ours = saved_tensor_bytes(apply_rotary, x, cos, sin)
+    # The fp32 tables themselves (views of the inputs: no new memory), nothing of x's size.
+    assert ours == 2 * cos.numel() * cos.element_size()
+    assert ours < x.numel() * x.element_size()
+
+
+def test_same_result_under_autocast():
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 3, 16, requires_grad=True)
+    cos, sin = rotary_cos_sin(9, 16, theta=10000.0)
+    grad_out = torch.randn(2, 9, 3, 16)
+    out = apply_rotary(x, cos, sin)
+    (grad,) = torch.autograd.grad(out, x, grad_out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_autocast = apply_rotary(x, cos, sin)
+        (grad_autocast,) = torch.autograd.grad(out_autocast, x, grad_out)
+    assert out_autocast.dtype == torch.float32
+    assert torch.equal(out, out_autocast) and torch.equal(grad, grad_autocast)
+
+
+def test_rotation_preserves_norms_and_relative_positions():
+    torch.manual_seed(0)
+    head_dim = 64
+    cos, sin = rotary_cos_sin(40, head_dim, theta=10000.0)
+    q = torch.randn(1, 1, 1, head_dim, dtype=torch.float64).expand(1, 40, 1, head_dim)
+    k = torch.randn(1, 1, 1, head_dim, dtype=torch.float64).expand(1, 40, 1, head_dim)
+    q_rotated = apply_rotary(q, cos.double(), sin.double())[0, :, 0]  # (40, head_dim)
+    k_rotated = apply_rotary(k, cos.double(), sin.double())[0, :, 0]
+    torch.testing.assert_close(q_rotated.norm(dim=-1), q[0, :, 0].norm(dim=-1))
+    # <q_m, k_n> depends on m - n only (RoFormer eq. 16): compare pairs with m - n = 3.
+    scores = q_rotated @ k_rotated.T
+    torch.testing.assert_close(scores[3, 0], scores[30, 27], rtol=1e-5, atol=1e-5)
+
+
+def test_cos_sin_tables():
+    cos, sin = rotary_cos_sin(5, 8, theta=10000.0)
+    assert cos.shape == sin.shape == (5, 8) and cos.dtype == torch.float32
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * inv_freq
+    torch.testing.assert_close(cos, torch.cat((angles, angles), -1).cos().float())
+    torch.testing.assert_close(sin, torch.cat((angles, angles), -1).sin().float())
+
+    cos_rows, _ = rotary_cos_sin(torch.tensor([[4, 0, 2], [1, 3, 4]]), 8, theta=10000.0)
+    assert cos_rows.shape == (2, 3, 8)
+    assert torch.equal(cos_rows[1, 2], cos[4]) and torch.equal(cos_rows[0, 1], cos[0])
+
+    default, _ = rotary_cos_sin(5, 8, theta=10000.0, scaling={"rope_type": "default"})
+    assert torch.equal(default, cos)
+
+
+def test_llama3_scaling_keeps_high_and_divides_low_frequencies():
+    head_dim, theta = 128, 500000.0
+    positions = torch.tensor([1])
+    _, sin_plain = rotary_cos_sin(positions, head_dim, theta)
+    _, sin_scaled = rotary_cos_sin(positions, head_dim, theta, scaling=LLAMA3_SCALING)
+    # At position 1 the angle is inv_freq itself; sin(angle) ~ angle for the small ones.
+    inv_plain, inv_scaled = sin_plain[0, : head_dim // 2], sin_scaled[0, : head_dim // 2]
+    assert torch.equal(inv_plain[0], inv_scaled[0])  # highest frequency: unchanged
+    assert math.isclose(inv_scaled[-1].item(), inv_plain[-1].item() / 8.0, rel_tol=1e-4)
+    assert torch.all(inv_scaled <= inv_plain)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+def test_tables_and_rotation_match_hugging_face_bit_for_bit(scaling):
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+        max_position_embeddings=131072,
+    )
+    hf_rotary = modeling_llama.LlamaRotaryEmbedding(config)
+    positions = torch.arange(0, 20000, 7)[None]  # (1, seq)
+    hf_cos, hf_sin = hf_rotary(torch.zeros(1), positions)  # fp32 (1, seq, 128)
+    cos, sin = rotary_cos_sin(positions, 128, 500000.0, scaling)
+    assert torch.equal(cos, hf_cos) and torch.equal(sin, hf_sin)
+
+    q = torch.randn(1, positions.shape[1], 2, 128)  # (batch, seq, heads, head_dim)
+    hf_q, _ = modeling_llama.apply_rotary_pos_emb(q, q, hf_cos, hf_sin, unsqueeze_dim=2)
+    assert torch.equal(apply_rotary(q, cos, sin), hf_q)
+
+
+@pytest.mark.parametrize(
+    ("x", "cos_shape", "message"),
+    [
+        (torch.randn(2, 5, 8), (5, 8), r"x.shape=\(2, 5, 8\)"),
+        (torch.randn(2, 5, 3, 7), (5, 7), r"even head_dim, got x.shape=\(2, 5, 3, 7\)"),
+        (torch.randn(2, 5, 3, 8), (6, 8), r"cos.shape=\(6, 8\)"),
+        (torch.randn(2, 5, 3, 8), (3, 5, 8), r"cos.shape=\(3, 5, 8\)"),
+        (torch.ones(2, 5, 3, 8, dtype=torch.int64), (5, 8), "x.dtype=torch.int64"),
+    ],
+)
+def test_apply_rotary_bad_inputs_raise_value_error(x, cos_shape, message):
+    with pytest.raises(ValueError, match=message):
+        apply_rotary(x, torch.ones(cos_shape), torch.zeros(cos_shape))
+
+
+def test_apply_rotary_rejects_tables_that_require_grad():
+    cos = torch.ones(5, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="not differentiable in cos and sin"):
+        apply_rotary(torch.randn(2, 5, 3, 8), cos, torch.zeros(5, 8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"positions": 4, "head_dim": 7, "theta": 1e4}, "even head_dim, got head_dim=7"),
+        ({"positions": -1, "head_dim": 8, "theta": 1e4}, "got -1"),
+        ({"positions": 4, "head_dim": 8, "theta": 0.0}, "theta=0.0"),
+        ({"positions": torch.zeros(3), "head_dim": 8, "theta": 1e4}, "dtype=torch.float32"),
+        (
+            {"positions": 4, "head_dim": 8, "theta": 1e4, "scaling": {"rope_type": "yarn"}},
+            "rope_type='yarn'",
+        ),
+        (
+            {"positions": 4, "head_dim": 8, "theta": 1e4, "scaling": {"rope_type": "llama3"}},
+            "missing",
+        ),
+    ],
+)
+def test_rotary_cos_sin_bad_inputs_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        rotary_cos_sin(**kwargs)

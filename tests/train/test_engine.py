@@ -1,0 +1,268 @@
+import json
+import math
+
+import pytest
+import torch
+
+from memfit.config import build_config
+from memfit.train import checkpoint as ckpt
+from memfit.train.engine import ConfigError, Trainer, TrainingDiverged
+from tests.train.activation_memory import live_forward_bytes, saved_tensor_bytes
+
+
+def make_trainer(
+    tmp_path, name="run", *, seq_len=64, loss_scale=None, resume=False, save_every=0, **train
+):
+    flags = {
+        "data": {"seq_len": seq_len},
+        "train": {
+            "steps": 8,
+            "micro_batch": 4,
+            "warmup_steps": 2,
+            "device": "cpu",
+            "precision": "fp32",
+            **train,
+        },
+        "checkpoint": {"out": str(tmp_path / name), "resume": resume, "save_every": save_every},
+        "loss_scale": loss_scale or {},
+    }
+    return Trainer(build_config(flags=flags))
+
+
+def params_of(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_bf16_losses_stay_close_to_fp32(tmp_path):
+    fp32 = [make_trainer(tmp_path, "a").train_step().loss]
+    a = make_trainer(tmp_path, "fp32")
+    b = make_trainer(tmp_path, "bf16", precision="bf16")
+    losses_a = [a.train_step().loss for _ in range(8)]
+    losses_b = [b.train_step().loss for _ in range(8)]
+    assert fp32[0] == losses_a[0]
+    for la, lb in zip(losses_a, losses_b, strict=True):
+        assert abs(la - lb) < 0.05 * la, (losses_a, losses_b)
+    assert losses_b[-1] < losses_b[0] - 0.5
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    # SGD: the update is linear in the gradient, so parameters compare the gradients directly
+    big = make_trainer(tmp_path, "big", micro_batch=4, grad_accum=1, optimizer="sgd", lr=0.1)
+    small = make_trainer(tmp_path, "small", micro_batch=2, grad_accum=2, optimizer="sgd", lr=0.1)
+    for _ in range(3):
+        loss_big = big.train_step().loss
+        loss_small = small.train_step().loss
+        assert loss_big == pytest.approx(loss_small, rel=1e-5)
+    pa, pb = params_of(big), params_of(small)
+    for name in pa:
+        torch.testing.assert_close(pa[name], pb[name], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_normalizes_by_tokens_not_micro_batches(tmp_path):
+    """With unequal numbers of valid targets per micro-batch, averaging per micro-batch would be
+    wrong; the engine divides every micro-batch's summed loss by the step's token count."""
+    trainer = make_trainer(tmp_path, micro_batch=2, grad_accum=2, optimizer="sgd", lr=0.1)
+    (x1, y1), (x2, y2) = next(trainer.batches), next(trainer.batches)
+    y1[:, :40] = -100  # the first micro-batch has far fewer targets
+    batches = iter([(x1, y1), (x2, y2)])
+    trainer.batches = batches
+    model = trainer.model
+    reference = make_trainer(tmp_path, "ref", micro_batch=4, grad_accum=1, optimizer="sgd", lr=0.1)
+    reference.model.load_state_dict(model.state_dict())
+    reference.batches = iter([(torch.cat([x1, x2]), torch.cat([y1, y2]))])
+    trainer.train_step()
+    reference.train_step()
+    for (name, p), q in zip(model.named_parameters(), reference.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def activation_bytes_and_grads(trainer):
+    inputs, targets = next(trainer.batches)
+    trainer.model.zero_grad(set_to_none=True)
+    saved, _ = saved_tensor_bytes(trainer.model, inputs, targets)
+    live, loss = live_forward_bytes(trainer.model, inputs, targets)
+    loss.backward()
+    return saved, live, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_activation_checkpointing_same_gradients_fewer_saved_bytes(tmp_path):
+    results = {}
+    for mode in ("none", "selective", "full"):
+        trainer = make_trainer(tmp_path, mode, checkpointing=mode, seq_len=128)
+        results[mode] = activation_bytes_and_grads(trainer)
+    config = trainer.model_config
+    saved_none, live_none, grads_none = results["none"]
+    for mode in ("selective", "full"):
+        for name, grad in results[mode][2].items():
+            torch.testing.assert_close(
+                grad, grads_none[name], rtol=1e-6, atol=1e-7, msg=f"{mode}: {name}"
+            )
+
+    tokens, hidden, ffn = 4 * 128, config.hidden_size, config.intermediate_size
+    kv = config.num_kv_heads * config.head_dim
+    fp32 = 4
+    # Without checkpointing autograd keeps per layer at least: 2 norm inputs, 2 norm outputs, q, k
+    # (post-RoPE) and v, the attention output, gate_up and the SwiGLU output.
+    per_layer = tokens * fp32 * (4 * hidden + hidden + 2 * kv + hidden + 2 * ffn + ffn)
+    assert config.num_layers * per_layer <= live_none <= 1.25 * config.num_layers * per_layer
+    # full: each block keeps only its input; what lies outside the blocks (final norm input, the
+    # loss's precomputed gradients) is the same in every mode.
+    outside = results["full"][1] - config.num_layers * tokens * hidden * fp32
+    assert 0 < outside < 0.1 * live_none
+    # selective: also the attention output (tokens x heads x head_dim) and log-sum-exp of each layer
+    attention_out = tokens * config.num_heads * config.head_dim * fp32
+    live_full, live_selective = results["full"][1], results["selective"][1]
+    assert live_selective - live_full == pytest.approx(config.num_layers * attention_out, rel=0.1)
+    assert live_selective < live_none / 4
+    # the saved-tensor hooks see the same ordering (they cannot see inside checkpointed regions)
+    assert results["full"][0] <= results["selective"][0] < saved_none / 4
+
+
+def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path):
+    straight = make_trainer(tmp_path, "straight", steps=8)
+    expected = [straight.train_step().loss for _ in range(8)]
+
+    first = make_trainer(tmp_path, "resumed", steps=8)
+    for _ in range(4):
+        first.train_step()
+    first.save()
+    del first
+    second = make_trainer(tmp_path, "resumed", steps=8, resume=True)
+    assert second.step == 4
+    history = second.fit()
+    assert [m.loss for m in history] == expected[4:]
+    for name, p in second.model.named_parameters():
+        torch.testing.assert_close(p, dict(straight.model.named_parameters())[name], rtol=0, atol=0)
+    lines = [
+        json.loads(line)
+        for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in lines] == [5, 6, 7, 8]
+    assert {
+        "step",
+        "loss",
+        "tokens",
+        "tokens_per_s",
+        "mem_allocated_bytes",
+        "mem_peak_bytes",
+    } <= set(lines[0])
+
+
+def test_fp16_overflow_skips_step_and_backs_off(tmp_path):
+    trainer = make_trainer(tmp_path, precision="fp16", loss_scale={"init_scale": 2.0**40})
+    before = params_of(trainer)
+    metrics = trainer.train_step()
+    assert metrics.skipped and metrics.loss_scale == 2.0**39
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0)
+    assert not trainer.optimizer.state  # AdamW moments untouched too
+    for _ in range(60):
+        if not trainer.train_step().skipped:
+            break
+    else:
+        pytest.fail("loss scale never backed off far enough")
+    assert any((p != before[n]).any() for n, p in trainer.model.named_parameters())
+
+
+def test_nan_loss_stops_with_step_number_and_saves_nothing(tmp_path):
+    trainer = make_trainer(tmp_path, save_every=2)
+    original = trainer.model.forward
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        out = original(*args, **kwargs)
+        return out * float("nan") if calls["n"] == 3 else out
+
+    trainer.model.forward = poisoned
+    with pytest.raises(TrainingDiverged, match="step 3"):
+        trainer.fit()
+    checkpoint = ckpt.find_checkpoint(tmp_path / "run")
+    assert checkpoint is not None and checkpoint.name == "step_0000002"
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path)
+    trainer.train_step()
+    good = trainer.save()
+    trainer.train_step()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        trainer.save()
+    assert ckpt.find_checkpoint(tmp_path / "run") == good
+    monkeypatch.undo()
+    # the half-written step is ignored and a later save cleans it up
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002.tmp").exists()
+    trainer.save()
+    assert not (tmp_path / "run" / "checkpoints" / "step_0000002.tmp").exists()
+
+
+def test_corrupt_or_foreign_checkpoint_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trainer.train_step()
+    path = trainer.save()
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ckpt.CheckpointError, match="partial or corrupt"):
+        ckpt.read_meta(path)
+
+    other = make_trainer(tmp_path, "other")
+    other.train_step()
+    other_path = other.save()
+    meta = ckpt.read_meta(other_path)
+    bigger = other.model_config.replace(hidden_size=256)
+    with pytest.raises(ckpt.CheckpointError, match="another model.*hidden_size"):
+        ckpt.check_model_matches(meta, bigger, other_path)
+
+
+@pytest.mark.parametrize(
+    "flags,sets,message",
+    [
+        ({}, ["train.lrr=0.1"], "did you mean 'train.lr'"),
+        ({}, ["trian.lr=0.1"], "did you mean '\\[train\\]'"),
+        ({"train": {"precision": "fp8"}}, [], "train.precision = 'fp8' is not allowed"),
+        ({}, ["train.steps=ten"], "train.steps = 'ten' is not a valid int"),
+        ({"train": {"micro_batch": 0}}, [], "train.micro_batch must be > 0"),
+        ({}, ["train.lr"], "section.key=value"),
+    ],
+)
+def test_bad_config_values_raise_clear_errors(flags, sets, message):
+    with pytest.raises(ValueError, match=message):
+        build_config(flags=flags, sets=sets)
+
+
+def test_impossible_strategies_raise(tmp_path):
+    with pytest.raises(ConfigError, match="ZeRO"):
+        Trainer(
+            build_config(
+                flags={"distributed": {"zero": 2}, "checkpoint": {"out": str(tmp_path / "z")}}
+            )
+        )
+    with pytest.raises(ConfigError, match="exceeds model 'tiny'"):
+        make_trainer(tmp_path, "long", seq_len=4096)
+    with pytest.raises(ConfigError, match="--resume needs --out"):
+        Trainer(build_config(flags={"checkpoint": {"resume": True}}))
+    with pytest.raises(ValueError, match="unknown model 'llama-9b'"):
+        Trainer(
+            build_config(
+                flags={"model": {"name": "llama-9b"}, "checkpoint": {"out": str(tmp_path / "m")}}
+            )
+        )
+
+
+def test_fresh_run_refuses_to_overwrite_a_run_with_checkpoints(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trainer.train_step()
+    trainer.save()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        make_trainer(tmp_path)
+
+
+def test_sgd_and_grad_clip_paths(tmp_path):
+    trainer = make_trainer(tmp_path, optimizer="sgd", lr=0.05, grad_clip=0.0)
+    losses = [trainer.train_step().loss for _ in range(6)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
