@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -20,6 +21,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    """The checkout's commit; MEMFIT_COMMIT overrides it (a copy without .git, e.g. on a GPU box)."""
+    if os.environ.get("MEMFIT_COMMIT"):
+        return os.environ["MEMFIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -6,7 +6,7 @@ autocast, torch SDPA attention, fused AdamW, global-norm clipping at 1.0, identi
 batches. Settings: micro-batch 4 and 8 x activation checkpointing off and full.
 
     python benchmarks/train_step.py                 # all four settings, both systems
-    python benchmarks/train_step.py --compile       # adds memfit with torch.compile'd blocks
+    python benchmarks/train_step.py --eager         # adds memfit with torch.compile off
 
 tokens/s = tokens per step / median step time over `--repeat` steps after `--warmup` steps.
 MFU = tokens/s x (6 x params + 6 x layers x hidden x seq) / 989 TFLOP/s (causal attention FLOPs,
@@ -47,7 +47,7 @@ def free_memory() -> None:
 
 
 def bench_memfit(
-    micro_batch: int, checkpointing: str, *, compile: bool, warmup: int, repeat: int
+    micro_batch: int, checkpointing: str, *, compile: str, warmup: int, repeat: int
 ) -> dict:
     free_memory()
     with tempfile.TemporaryDirectory() as out:
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--checkpointing", nargs="+", default=["none", "full"])
     parser.add_argument(
-        "--compile", action="store_true", help="also measure memfit with compiled blocks"
+        "--eager", action="store_true", help="also measure memfit with torch.compile off"
     )
     parser.add_argument(
         "--no-save", action="store_true", help="do not append to benchmarks/results/train_step.json"
@@ -136,14 +136,12 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/train_step.py needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
 
     shape = PRESETS["llama-1b"]
     flops_per_token = shape.flops_per_token(SEQ_LEN)
     records = []
-    systems = [("hf", False), ("memfit", False)] + (
-        [("memfit+compile", True)] if args.compile else []
-    )
+    # memfit as `memfit train` runs it on CUDA (compile auto: blocks compiled), and eager
+    systems = [("hf", ""), ("memfit", "auto")] + ([("memfit-eager", "off")] if args.eager else [])
     for checkpointing in args.checkpointing:
         for micro_batch in args.micro_batches:
             for system, compile in systems:

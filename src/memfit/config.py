@@ -63,8 +63,8 @@ class ModelSection(_Section):
     name: str = "tiny"
     """A preset (tiny, llama-1b, llama-2-7b, ...) or the path of a Hugging Face config.json."""
     attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
-    compile: bool = False
-    """Wrap each transformer block in torch.compile."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile each transformer block; auto: on for CUDA, off on CPU."""
 
 
 @dataclass(kw_only=True)
@@ -82,7 +82,7 @@ class DataSection(_Section):
 
 @dataclass(kw_only=True)
 class TrainSection(_Section):
-    steps: int = 250
+    steps: int = 400
     micro_batch: int = 8
     grad_accum: int = 1
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -91,7 +91,7 @@ class TrainSection(_Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 25
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

@@ -56,7 +56,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
-    p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        help="torch.compile each block (auto: on for CUDA, off on CPU)",
+    )
     p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out")
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except torch.OutOfMemoryError as error:
-        Console(stderr=True).print(
+        Console(stderr=True, soft_wrap=True).print(
             f"[bold red]out of memory:[/] {str(error).splitlines()[0]}\nTry a smaller --micro-batch (with a larger "
             "--grad-accum), --checkpointing full, or a shorter --seq-len.",
             highlight=False,
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, CheckpointError, TrainingDiverged) as error:
         if args.verbose:
             raise
-        Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {error}", highlight=False)
         return 2
     except KeyboardInterrupt:
         Console(stderr=True).print("[yellow]interrupted[/]")

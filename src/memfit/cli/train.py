@@ -24,6 +24,7 @@ def run_train(config: Config, console: Console) -> int:
         f"[bold]memfit train[/] model [cyan]{mc.name}[/] ({format_params(mc.num_params)} params) on "
         f"[cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x micro-batch "
         f"{config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing {config.train.checkpointing}, "
+        f"{'compiled' if trainer.compiled else 'eager'}, "
         f"run dir [cyan]{trainer.run_dir}[/]",
         highlight=False,
     )

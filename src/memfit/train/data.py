@@ -341,23 +341,31 @@ _STORY_KINDS = (
 
 
 def synthetic_corpus(num_documents: int = 4000, seed: int = 1234) -> list[str]:
-    """A generated corpus that a small byte-level model learns in a few hundred steps.
+    """A generated corpus that a small byte-level model visibly learns in a couple hundred steps.
 
-    Each document has a cast of 2-4 names (from 30) and 3-6 paragraphs, each drawn from six
-    kinds of lowercase ASCII text:
+    Each document has a cast of 2-4 names (of 30), a theme of 3 objects (of 16) and 3-6
+    paragraphs separated by a blank line, each drawn from six kinds of lowercase ASCII text:
 
     - **trade**: ``mia has 3 apples and leo has 5 apples. leo gives mia 4 apples. now leo has
-      1 apple. ...`` with consistent arithmetic and singular/plural agreement;
-    - **shopping**: a list of 2-5 foods, repeated later with articles (a copy task);
-    - **record**: a ``name=.. age=.. city=.. pet=..`` table then questions answered from it;
-    - **counting**: up by one, down to zero, or by a step of 2-5;
-    - **dialogue**: ``mia: leo, where is my red ball?`` / ``leo: your red ball is under the
-      bed.`` ...;
-    - **week**: consecutive weekdays, each with a place.
+      1 apple. ... together they have 8 apples.``: gives, finds and losses with the running
+      totals stated, consistent arithmetic and singular/plural agreement;
+    - **shopping**: ``mia goes to the market and buys 3 pears and 1 egg. at home mia has 3 pears
+      and 1 egg.``: a list repeated verbatim (a copy task for attention);
+    - **record**: a ``name=mia age=9 city=oslo likes=plums`` table, then questions answered
+      from it (``where does mia live? mia lives in oslo.``);
+    - **counting**: counting the objects (``1, 2, 3. mia has 3 coins.``), down to zero, or by
+      a step of 2-5;
+    - **dialogue**: ``mia: leo, where is my red cup?`` / ``leo: your red cup is at the park.``
+      and a reply that repeats or corrects it;
+    - **week**: consecutive weekdays, each with an outing, wrapping from sunday to monday.
 
-    The vocabulary is small and the phrases rigid, so the loss falls well below the byte
-    unigram entropy (about 2.9 nats) quickly, while numbers, names and lists keep it from being
-    periodic or memorizable. Documents average about 500 bytes.
+    Names, objects and places are shared by all kinds and repeat within a document; the phrases
+    are rigid and the arithmetic is always right, so there is a lot to learn at every scale,
+    from spelling to copying and counting, while the random names, numbers and lists keep the
+    text from being periodic. Documents average about 700 bytes. Measured on the default
+    corpus: byte unigram entropy 3.12 nats, conditional entropy given the previous 1, 2, 3 bytes
+    2.18, 1.19, 0.72 nats; ``memfit train`` (preset ``tiny``, 8 x 256 tokens per step) reaches
+    a loss of about 1.3 nats after 100 steps and 0.55 after 200.
 
     Deterministic: only ``random.Random(seed)`` is used (no global state, no ``hash``), so the
     same arguments give a byte-identical corpus on every platform and Python version.
@@ -390,7 +398,8 @@ def _read_text(path: Path) -> str:
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
     documents = []
-    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
+    # split("\n"), not splitlines(): a JSON string may hold a raw U+2028 or form feed.
+    for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -401,7 +410,7 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(
                 f"{str(path)}:{line_number} has no field {field!r} (it has {keys}); "
-                "choose the field with jsonl_field=... (--set data.jsonl_field=...)"
+                "name the field that holds the text with jsonl_field (--set data.jsonl_field=NAME)"
             )
         text = record[field]
         if not isinstance(text, str):

@@ -173,7 +173,12 @@ class Trainer:
 
         # 4. techniques, in order: activation checkpointing, then compile
         apply_activation_checkpointing(self.model, train.checkpointing)
-        if config.model.compile:
+        self.compiled = config.model.compile == "on" or (
+            config.model.compile == "auto" and self.device.type == "cuda"
+        )
+        if self.compiled:
+            # Inductor fuses each block's elementwise work (norms, RoPE, SwiGLU, residual adds)
+            # into a few kernels; blocks share one compiled graph (same code, same shapes).
             for block in self.model.layers:
                 block.compile()
 

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+
+from memfit.cli.main import main
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_default_train_lowers_the_loss_and_generates(tmp_path, capsys):
+    """`memfit train` with nothing but a run directory: the built-in default (preset tiny on the
+    synthetic corpus) must visibly learn; then `memfit generate` continues a prompt."""
+    run = tmp_path / "default"
+    assert main(["train", "--out", str(run)]) == 0
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-5:]) / 5
+    assert first > 5.0  # ln(258) at initialization
+    assert last < 1.5, f"loss went from {first:.3f} to {last:.3f}"
+    assert all(m["tokens_per_s"] > 0 and m["mem_peak_bytes"] > 0 for m in metrics)
+    capsys.readouterr()
+
+    assert (
+        main(
+            [
+                "generate",
+                str(run),
+                "--prompt",
+                "mia has",
+                "--max-new-tokens",
+                "40",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert text.startswith("mia has") and "tok/s" in text
+
+
+def test_config_file_flags_and_set_precedence(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("[train]\nsteps = 3\nmicro_batch = 2\nlr = 0.01\n[data]\nseq_len = 32\n")
+    run = tmp_path / "r"
+    args = [
+        "train",
+        "--config",
+        str(config),
+        "--steps",
+        "2",
+        "--set",
+        "train.micro_batch=1",
+        "--out",
+        str(run),
+    ]
+    assert main(args) == 0
+    metrics = read_metrics(run)
+    assert len(metrics) == 2 and metrics[0]["tokens"] == 32  # flags beat the file, --set beats both
+    assert (run / "checkpoints" / "step_0000002" / "config.toml").read_text().count(
+        "micro_batch = 1"
+    ) == 1
+
+
+def test_resume_continues_the_run(tmp_path):
+    run = tmp_path / "r"
+    common = ["train", "--set", "data.seq_len=32", "--micro-batch", "2", "--out", str(run)]
+    assert main([*common, "--steps", "4", "--save-every", "2"]) == 0
+    assert main([*common, "--steps", "6", "--resume"]) == 0
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "--set", "train.stepz=3"], "did you mean 'train.steps'"),
+        (["train", "--model", "llama-7b"], "unknown model 'llama-7b'"),
+        (["train", "--zero", "2", "--steps", "1"], "ZeRO"),
+        (["train", "--config", "missing.toml"], "does not exist"),
+        (["generate", "no/such/run"], "no checkpoint found"),
+    ],
+)
+def test_bad_input_exits_with_a_clear_message(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err.replace("\n", " ")
