@@ -66,7 +66,7 @@ def main() -> None:
         pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(\n<!-- /table:{name} -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"BENCHMARKS.md has no <!-- table:{name} --> markers")
-        text = pattern.sub(lambda m: m.group(1) + table + m.group(2), text)
+        text = pattern.sub(lambda m, table=table: m.group(1) + table + m.group(2), text)
     DOC.write_text(text)
     print(f"wrote {DOC}")
 
