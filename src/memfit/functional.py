@@ -13,12 +13,13 @@ from torch import Tensor
 
 from memfit.ops.cross_entropy import linear_cross_entropy
 from memfit.ops.rms_norm import rms_norm
-from memfit.ops.rotary import apply_rotary, rotary_cos_sin
+from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
 from memfit.ops.swiglu import swiglu
 
 __all__ = [
     "AttentionBackend",
     "apply_rotary",
+    "apply_rotary_qk",
     "attention",
     "linear_cross_entropy",
     "resolve_attention",

@@ -54,3 +54,20 @@ def test_sampling_filters():
     assert int(sample(logits, temperature=0.0)) == 3
     with pytest.raises(ValueError, match="top_p"):
         sample(logits, temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cached_decoding_on_cuda_bf16():
+    config = PRESETS["tiny"]
+    model = build_model(config, device="cuda", seed=0).to(torch.bfloat16).eval()
+    prompt = torch.randint(0, config.vocab_size, (2, 13), device="cuda")
+    cache = KVCache(config, batch_size=2, max_seq_len=20, dtype=torch.bfloat16, device="cuda")
+    tokens = torch.cat([prompt, torch.randint(0, config.vocab_size, (2, 7), device="cuda")], dim=1)
+    with torch.no_grad():
+        full = model(tokens).float()
+        parts = [model(tokens[:, :13], kv_cache=cache, start_pos=0)]
+        parts += [model(tokens[:, i : i + 1], kv_cache=cache, start_pos=i) for i in range(13, 20)]
+    torch.testing.assert_close(torch.cat(parts, dim=1).float(), full, rtol=2e-2, atol=2e-2)
+    result = generate(model, prompt, max_new_tokens=8, temperature=0.0)
+    assert all(len(row) == 8 for row in result.tokens)

@@ -1,7 +1,12 @@
+import importlib.util
+import sys
+
 import pytest
 import torch
 
+import memfit.ops._triton
 import memfit.ops.cross_entropy as cross_entropy_module
+from memfit.ops._triton import interpreter_enabled
 from memfit.ops.cross_entropy import linear_cross_entropy
 from tests.reference import assert_error_within, linear_cross_entropy_reference
 
@@ -18,6 +23,40 @@ CASES = [
     (97, 48, 1000, 200),
     (97, 48, 37, None),
 ]
+# Fewer, smaller cases for the kernel: the interpreter runs each row's program in Python.
+KERNEL_CASES = [
+    (1, 8, 1, None),
+    (7, 16, 37, 3),
+    (7, 130, 300, 1),
+    (17, 48, 37, 5),
+    (33, 24, 300, 8),
+    (33, 8, 37, None),
+]
+
+
+def kernels_on_cpu(monkeypatch, enabled: bool = True) -> None:
+    """Route CPU calls to the Triton kernels (Triton's interpreter) for the rest of the test."""
+    if enabled and not interpreter_enabled():
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 at startup (tests/conftest.py)")
+    monkeypatch.setattr(memfit.ops._triton, "_cpu_requested", enabled)
+
+
+@pytest.fixture(params=["torch", "triton"])
+def path(request, monkeypatch):
+    """Run the test on the plain-PyTorch path, or on the Triton kernel under the interpreter
+    (inside `triton_on_cpu`); check afterwards that the kernel ran or did not."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        kernels_on_cpu(monkeypatch)
+    launches = []
+    launch = cross_entropy_module._launch_cross_entropy_rows
+    monkeypatch.setattr(
+        cross_entropy_module,
+        "_launch_cross_entropy_rows",
+        lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs),
+    )
+    yield request.param
+    assert bool(launches) == (request.param == "triton")
 
 
 def make_inputs(
@@ -46,9 +85,13 @@ def assert_all_within(ours, baseline, exact):
         assert_error_within(a, b, e, name=name)
 
 
-@pytest.mark.parametrize(("rows", "hidden", "vocab", "chunk_size"), CASES)
+@pytest.mark.parametrize(
+    ("path", "rows", "hidden", "vocab", "chunk_size"),
+    [("torch", *case) for case in CASES] + [("triton", *case) for case in KERNEL_CASES],
+    indirect=["path"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_matches_fp64_reference(rows, hidden, vocab, chunk_size, dtype):
+def test_matches_fp64_reference(path, rows, hidden, vocab, chunk_size, dtype):
     torch.manual_seed(0)
     hidden_states, weight, targets = make_inputs(rows, hidden, vocab, dtype)
     ours = loss_and_grads(
@@ -64,8 +107,12 @@ def test_matches_fp64_reference(rows, hidden, vocab, chunk_size, dtype):
     assert_all_within(ours, baseline, exact)
 
 
-@pytest.mark.parametrize(("rows", "hidden", "vocab", "chunk_size"), CASES[1:5])
-def test_under_cpu_autocast_with_fp32_master_weight(rows, hidden, vocab, chunk_size):
+@pytest.mark.parametrize(
+    ("path", "rows", "hidden", "vocab", "chunk_size"),
+    [("torch", *case) for case in CASES[1:5]] + [("triton", *case) for case in KERNEL_CASES[1:4]],
+    indirect=["path"],
+)
+def test_under_cpu_autocast_with_fp32_master_weight(path, rows, hidden, vocab, chunk_size):
     torch.manual_seed(0)
     hidden_states, weight, targets = make_inputs(rows, hidden, vocab, torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -99,7 +146,7 @@ def test_under_cpu_autocast_with_fp32_master_weight(rows, hidden, vocab, chunk_s
     assert all(torch.equal(a, b) for a, b in zip(ours, explicit, strict=True))
 
 
-def test_fp16_compute_keeps_gradients_below_fp16_range():
+def test_fp16_compute_keeps_gradients_below_fp16_range(path):
     """Softmax values far below fp16's range must still reach the fp32 gradients."""
     torch.manual_seed(0)
     hidden_states, weight, _ = make_inputs(1, 16, 50, torch.float32)
@@ -137,6 +184,57 @@ def test_chunk_size_does_not_change_the_result():
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_kernel_chunk_size_does_not_change_the_result(monkeypatch):
+    """Every chunk reuses the logits and gradient buffers: no chunk may see another's data."""
+    torch.manual_seed(0)
+    kernels_on_cpu(monkeypatch)
+    hidden_states, weight, targets = make_inputs(13, 24, 61, torch.float32)
+    results = [
+        loss_and_grads(linear_cross_entropy, hidden_states, weight, targets, chunk_size=chunk)
+        for chunk in (None, 1, 5)
+    ]
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_is_deterministic(monkeypatch, dtype):
+    torch.manual_seed(0)
+    kernels_on_cpu(monkeypatch)
+    hidden_states, weight, targets = make_inputs(11, 16, 300, dtype)
+    first = loss_and_grads(linear_cross_entropy, hidden_states, weight, targets, chunk_size=4)
+    second = loss_and_grads(linear_cross_entropy, hidden_states, weight, targets, chunk_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_plain_path_while_torch_compile_traces(monkeypatch):
+    """Under torch.compile the plain path is traced, for Inductor to fuse its elementwise ops."""
+    kernels_on_cpu(monkeypatch)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(cross_entropy_module, "_launch_cross_entropy_rows", None)  # would raise
+    hidden_states, weight, targets = make_inputs(5, 8, 11, torch.float32)
+    loss_and_grads(linear_cross_entropy, hidden_states, weight, targets, chunk_size=2)
+
+
+def test_works_without_triton(monkeypatch):
+    """Where triton is missing, the module imports and serves every call on the plain path."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    kernels_on_cpu(monkeypatch)
+    spec = importlib.util.spec_from_file_location(
+        "cross_entropy_without_triton", cross_entropy_module.__file__
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.HAS_TRITON
+    hidden_states, weight, targets = make_inputs(5, 8, 11, torch.float64)
+    ours = loss_and_grads(module.linear_cross_entropy, hidden_states, weight, targets)
+    exact = loss_and_grads(linear_cross_entropy_reference, hidden_states, weight, targets)
+    for a, b in zip(ours, exact, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_default_chunk_size_targets_the_logits_budget(monkeypatch):
     torch.manual_seed(0)
     rows, vocab = 50, 37
@@ -157,7 +255,15 @@ def test_default_chunk_size_targets_the_logits_budget(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_ignored_rows_and_all_ignored_chunks():
+def test_default_chunk_size_rounds_to_whole_matmul_tiles(monkeypatch):
+    monkeypatch.setattr(cross_entropy_module, "_CHUNK_LOGITS_BYTES", 1000 * 37 * 4)
+    assert cross_entropy_module._default_chunk_size(5000, 37) == 768
+    assert cross_entropy_module._default_chunk_size(500, 37) == 500
+    monkeypatch.setattr(cross_entropy_module, "_CHUNK_LOGITS_BYTES", 200 * 37 * 4)
+    assert cross_entropy_module._default_chunk_size(5000, 37) == 200
+
+
+def test_ignored_rows_and_all_ignored_chunks(path):
     torch.manual_seed(0)
     hidden_states, weight, targets = make_inputs(20, 16, 30, torch.float32, ignore_fraction=0.0)
     targets[:8] = IGNORE  # chunks 0 and 1 (chunk_size 4) are entirely ignored
@@ -178,9 +284,9 @@ def test_ignored_rows_and_all_ignored_chunks():
     assert torch.count_nonzero(grad_hidden) == 0 and torch.count_nonzero(grad_weight) == 0
 
 
-def test_custom_ignore_index_inside_the_vocabulary():
+def test_custom_ignore_index_inside_the_vocabulary(path):
     torch.manual_seed(0)
-    hidden_states, weight, targets = make_inputs(15, 8, 12, torch.float64, ignore_fraction=0.0)
+    hidden_states, weight, targets = make_inputs(15, 8, 12, torch.float32, ignore_fraction=0.0)
     targets[::3] = 0  # e.g. a pad token id
     ours = loss_and_grads(linear_cross_entropy, hidden_states, weight, targets, ignore_index=0)
     exact = loss_and_grads(
@@ -190,7 +296,7 @@ def test_custom_ignore_index_inside_the_vocabulary():
         torch.testing.assert_close(a, b)
 
 
-def test_gradients_accumulate_over_two_calls():
+def test_gradients_accumulate_over_two_calls(path):
     torch.manual_seed(0)
     hidden_a, weight, targets_a = make_inputs(13, 16, 40, torch.float32)
     hidden_b, _, targets_b = make_inputs(11, 16, 40, torch.float32)
@@ -205,7 +311,7 @@ def test_gradients_accumulate_over_two_calls():
     torch.testing.assert_close(ours, weight.grad)
 
 
-def test_grads_only_where_required_and_none_without_grad_mode():
+def test_grads_only_where_required_and_none_without_grad_mode(path):
     torch.manual_seed(0)
     hidden_states, weight, targets = make_inputs(10, 8, 20, torch.float32)
     hidden_states.requires_grad_()
@@ -220,7 +326,7 @@ def test_grads_only_where_required_and_none_without_grad_mode():
     torch.testing.assert_close(loss_no_grad, loss.detach())
 
 
-def test_second_backward_through_the_same_graph_raises():
+def test_second_backward_through_the_same_graph_raises(path):
     torch.manual_seed(0)
     hidden_states, weight, targets = make_inputs(6, 8, 10, torch.float32)
     hidden_states.requires_grad_()

@@ -1,9 +1,14 @@
+import importlib.util
 import math
+import sys
 
 import pytest
 import torch
 
-from memfit.ops.rotary import apply_rotary, rotary_cos_sin
+import memfit.ops._triton
+import memfit.ops.rotary as rotary_module
+from memfit.ops._triton import interpreter_enabled
+from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
 from tests.reference import assert_error_within, rotary_reference, saved_tensor_bytes
 
 LLAMA3_SCALING = {
@@ -15,12 +20,49 @@ LLAMA3_SCALING = {
 }
 
 
-@pytest.mark.parametrize(
-    ("batch", "seq", "heads", "head_dim"), [(1, 1, 1, 8), (2, 17, 3, 48), (1, 97, 2, 130)]
-)
+def kernels_on_cpu(monkeypatch, enabled: bool = True) -> None:
+    """Route CPU calls to the Triton kernels (Triton's interpreter) for the rest of the test."""
+    if enabled and not interpreter_enabled():
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 at startup (tests/conftest.py)")
+    monkeypatch.setattr(memfit.ops._triton, "_cpu_requested", enabled)
+
+
+@pytest.fixture(params=["torch", "triton"])
+def path(request, monkeypatch):
+    """Run the test on the plain-PyTorch path, or on the Triton kernel under the interpreter
+    (inside `triton_on_cpu`); check afterwards that the kernel ran or did not."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        kernels_on_cpu(monkeypatch)
+    launches = []
+    launch = rotary_module._launch_rotary
+    monkeypatch.setattr(
+        rotary_module,
+        "_launch_rotary",
+        lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs),
+    )
+    yield request.param
+    assert bool(launches) == (request.param == "triton")
+
+
+def fused_qkv(batch, seq, q_heads, kv_heads, head_dim, dtype):
+    """A (batch, seq, (q_heads + 2 kv_heads) * head_dim) leaf and its q and k views."""
+    qkv = torch.randn(batch, seq, (q_heads + 2 * kv_heads) * head_dim, dtype=torch.float64)
+    qkv = qkv.to(dtype).requires_grad_()
+    q, k, _ = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(batch, seq, q_heads, head_dim)  # (B, T, nh, hs), non-contiguous
+    k = k.view(batch, seq, kv_heads, head_dim)  # (B, T, nkv, hs)
+    return qkv, q, k
+
+
+# (batch, seq, heads, head_dim): 1, 7 and 33 tokens; head_dim 130 has a half of 65 (masked).
+SHAPES = [(1, 1, 1, 8), (1, 7, 3, 24), (3, 11, 1, 64), (2, 17, 3, 48), (1, 33, 2, 130)]
+
+
+@pytest.mark.parametrize(("batch", "seq", "heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_row_positions", [False, True])
-def test_matches_fp64_reference(batch, seq, heads, head_dim, dtype, per_row_positions):
+def test_matches_fp64_reference(path, batch, seq, heads, head_dim, dtype, per_row_positions):
     torch.manual_seed(0)
     if per_row_positions:  # e.g. packed sequences: each row has its own positions
         positions = torch.randint(0, 4096, (batch, seq))
@@ -48,7 +90,7 @@ def test_matches_fp64_reference(batch, seq, heads, head_dim, dtype, per_row_posi
 
 
 @pytest.mark.parametrize("table_shape", [(5, 8), (2, 5, 8)])
-def test_gradcheck_in_fp64_with_arbitrary_tables(table_shape):
+def test_gradcheck_in_fp64_with_arbitrary_tables(path, table_shape):
     torch.manual_seed(0)
     # Tables whose halves differ: the backward must be the exact transpose, not just -angle.
     x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
@@ -58,13 +100,15 @@ def test_gradcheck_in_fp64_with_arbitrary_tables(table_shape):
     torch.testing.assert_close(apply_rotary(x, cos, sin), rotary_reference(x, cos, sin))
 
 
-def test_non_contiguous_view_of_fused_qkv():
+@pytest.mark.parametrize("per_row_positions", [False, True])
+def test_non_contiguous_view_of_fused_qkv(path, per_row_positions):
     torch.manual_seed(0)
     batch, seq, heads, head_dim = 2, 13, 4, 16
     qkv = torch.randn(batch, seq, 3 * heads * head_dim, dtype=torch.bfloat16, requires_grad=True)
     k = qkv.view(batch, seq, 3, heads, head_dim)[:, :, 1]  # (batch, seq, heads, head_dim)
     assert not k.is_contiguous()
-    cos, sin = rotary_cos_sin(seq, head_dim, theta=500000.0)
+    positions = torch.randint(0, 4096, (batch, seq)) if per_row_positions else seq
+    cos, sin = rotary_cos_sin(positions, head_dim, theta=500000.0)
     out = apply_rotary(k, cos, sin)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
@@ -80,7 +124,7 @@ def test_non_contiguous_view_of_fused_qkv():
     )
 
 
-def test_saves_only_cos_and_sin():
+def test_saves_only_cos_and_sin(path):
     torch.manual_seed(0)
     x = torch.randn(2, 31, 4, 32, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rotary_cos_sin(31, 32, theta=10000.0)
@@ -88,9 +132,73 @@ def test_saves_only_cos_and_sin():
     # The fp32 tables themselves (views of the inputs: no new memory), nothing of x's size.
     assert ours == 2 * cos.numel() * cos.element_size()
     assert ours < x.numel() * x.element_size()
+    _, pair = saved_tensor_bytes(apply_rotary_qk, x, x.detach().requires_grad_(), cos, sin)
+    assert pair == ours
 
 
-def test_same_result_under_autocast():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_matches_the_plain_path_bit_for_bit(monkeypatch, dtype):
+    """Same fp32 products and sums (no FMA), one rounding to dtype: equal results."""
+    torch.manual_seed(0)
+    qkv, q, k = fused_qkv(3, 11, 3, 1, 24, dtype)
+    cos, sin = rotary_cos_sin(torch.randint(0, 4096, (3, 11)), 24, theta=10000.0)
+    grad_q, grad_k = torch.randn(q.shape).to(dtype), torch.randn(k.shape).to(dtype)
+    results = {}
+    for interpret in ("0", "1"):
+        kernels_on_cpu(monkeypatch, interpret == "1")
+        q_out, k_out = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        (grad_qkv,) = torch.autograd.grad((q_out, k_out), qkv, (grad_q, grad_k))
+        results[interpret] = (q_out, k_out, grad_qkv)
+    assert all(torch.equal(a, b) for a, b in zip(results["0"], results["1"], strict=True))
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(3, 1, 24), (2, 2, 8), (4, 2, 130)])
+def test_apply_rotary_qk_equals_two_apply_rotary_calls(path, q_heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    batch, seq = 2, 7
+    qkv, q, k = fused_qkv(batch, seq, q_heads, kv_heads, head_dim, torch.bfloat16)
+    cos, sin = rotary_cos_sin(torch.randint(0, 4096, (batch, seq)), head_dim, theta=10000.0)
+    grad_q, grad_k = torch.randn(q.shape).bfloat16(), torch.randn(k.shape).bfloat16()
+
+    q_out, k_out = apply_rotary_qk(q, k, cos, sin)
+    (grad_pair,) = torch.autograd.grad((q_out, k_out), qkv, (grad_q, grad_k))
+    q_single, k_single = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    (grad_single,) = torch.autograd.grad((q_single, k_single), qkv, (grad_q, grad_k))
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, q_single) and torch.equal(k_out, k_single)
+    assert torch.equal(grad_pair, grad_single)
+    # Only the q and k columns of qkv receive gradient.
+    assert torch.count_nonzero(grad_pair[..., (q_heads + kv_heads) * head_dim :]) == 0
+
+
+def test_plain_path_while_torch_compile_traces(monkeypatch):
+    """Under torch.compile the plain path is traced, for Inductor to fuse with its neighbours."""
+    kernels_on_cpu(monkeypatch)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(rotary_module, "_launch_rotary", None)  # calling it would raise
+    x = torch.randn(1, 3, 2, 8, requires_grad=True)
+    cos, sin = rotary_cos_sin(3, 8, theta=10000.0)
+    apply_rotary(x, cos, sin).sum().backward()
+    apply_rotary_qk(x, x, cos, sin)
+
+
+def test_works_without_triton(monkeypatch):
+    """Where triton is missing, the module imports and serves every call on the plain path."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    kernels_on_cpu(monkeypatch)
+    spec = importlib.util.spec_from_file_location("rotary_without_triton", rotary_module.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.HAS_TRITON
+    x = torch.randn(2, 3, 2, 8, requires_grad=True)
+    cos, sin = rotary_cos_sin(3, 8, theta=10000.0)
+    out = module.apply_rotary(x, cos, sin)
+    out.sum().backward()
+    assert torch.equal(out, rotary_reference(x, cos, sin))
+
+
+def test_same_result_under_autocast(path):
     torch.manual_seed(0)
     x = torch.randn(2, 9, 3, 16, requires_grad=True)
     cos, sin = rotary_cos_sin(9, 16, theta=10000.0)
@@ -104,7 +212,7 @@ def test_same_result_under_autocast():
     assert torch.equal(out, out_autocast) and torch.equal(grad, grad_autocast)
 
 
-def test_rotation_preserves_norms_and_relative_positions():
+def test_rotation_preserves_norms_and_relative_positions(path):
     torch.manual_seed(0)
     head_dim = 64
     cos, sin = rotary_cos_sin(40, head_dim, theta=10000.0)
@@ -182,6 +290,20 @@ def test_tables_and_rotation_match_hugging_face_bit_for_bit(scaling):
 def test_apply_rotary_bad_inputs_raise_value_error(x, cos_shape, message):
     with pytest.raises(ValueError, match=message):
         apply_rotary(x, torch.ones(cos_shape), torch.zeros(cos_shape))
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "k_dtype", "message"),
+    [
+        ((2, 5, 3, 8), (2, 4, 1, 8), torch.float32, r"k.shape=\(2, 4, 1, 8\)"),
+        ((2, 5, 3, 8), (2, 5, 1, 16), torch.float32, r"k.shape=\(2, 5, 1, 16\)"),
+        ((2, 5, 3, 8), (2, 5, 1, 8), torch.bfloat16, "k.dtype=torch.bfloat16"),
+    ],
+)
+def test_apply_rotary_qk_bad_inputs_raise_value_error(q_shape, k_shape, k_dtype, message):
+    q, k = torch.randn(q_shape), torch.randn(k_shape, dtype=k_dtype)
+    with pytest.raises(ValueError, match=message):
+        apply_rotary_qk(q, k, torch.ones(5, 8), torch.zeros(5, 8))
 
 
 def test_apply_rotary_rejects_tables_that_require_grad():

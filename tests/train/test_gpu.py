@@ -85,3 +85,24 @@ def test_activation_checkpointing_on_cuda():
             torch.testing.assert_close(
                 grad, grads["none"][name], rtol=1e-2, atol=1e-4, msg=f"{mode}: {name}"
             )
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+def test_compiled_blocks_match_eager(tmp_path, checkpointing):
+    """compile=auto (on for CUDA) must train like eager, with every checkpointing mode."""
+    losses = {}
+    for compile in ("on", "off"):
+        trainer = Trainer(
+            build_config(
+                flags={
+                    "model": {"compile": compile},
+                    "data": {"seq_len": 256},
+                    "train": {"steps": 6, "device": "cuda", "checkpointing": checkpointing, "precision": "bf16"},
+                    "checkpoint": {"out": str(tmp_path / compile)},
+                }
+            )
+        )
+        assert trainer.compiled == (compile == "on")
+        losses[compile] = [trainer.train_step().loss for _ in range(6)]
+    for compiled, eager in zip(losses["on"], losses["off"], strict=True):
+        assert compiled == pytest.approx(eager, rel=2e-2)

@@ -68,8 +68,7 @@ class Attention(nn.Module):
         # v is a view into qkv: copying it lets the (T, q + 2kv) projection output be freed
         # after RoPE instead of being kept alive for backward by the attention kernel.
         v = v.reshape(batch, seqlen, self.num_kv_heads, self.head_dim).contiguous()
-        q = MF.apply_rotary(q, cos, sin)
-        k = MF.apply_rotary(k, cos, sin)
+        q, k = MF.apply_rotary_qk(q, k, cos, sin)  # one kernel for both; no copy of qkv
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, start_pos, k, v)  # (B, start_pos + T, nkv, hs)
         y = MF.attention(q, k, v, causal=True, window=self.window, backend=self.backend)

@@ -1,4 +1,4 @@
-"""RMSNorm as a memory-lean autograd Function (plain PyTorch; a Triton kernel comes later).
+"""RMSNorm as a memory-lean autograd Function: single-pass Triton kernels, plain PyTorch elsewhere.
 
 Algorithm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4):
 
@@ -10,16 +10,31 @@ Backward, with xhat = x * rstd and g = dy * weight:
     dx      = rstd * (g - xhat * mean(g * xhat, over hidden))
     dweight = sum over all leading dims of dy * xhat
 
+Two paths compute exactly this, and `RMSNormFunction` picks one per call:
+
+- Triton (CUDA tensors; CPU tensors inside `memfit.ops._triton.triton_on_cpu()`, run by Triton's
+  interpreter, so
+  that CI tests the kernels without a GPU). The forward kernel reads a block of rows once and
+  writes y and rstd; the backward kernel reads x, dy and rstd once and writes dx. dweight is
+  reduced without atomics, so it is deterministic: a fixed grid of persistent programs (about
+  16 warps per SM) each loops over its rows and accumulates a (hidden,) fp32 partial sum in
+  registers, and the (programs, hidden) partials are summed by torch afterwards. Hidden sizes
+  up to 32768 are fused (the whole row lives in registers); larger ones take the PyTorch path.
+- Plain PyTorch: everywhere else (CPU, fp64, no triton installed, e.g. on macOS) and while
+  torch.compile traces, so that Inductor sees ordinary ops and fuses them itself. It is also the
+  reference the kernels are tested against.
+
 Memory: the Function saves only x (in its own dtype) and rstd (fp32, one value per row), plus a
 reference to the weight parameter (no new memory), and recomputes xhat in backward. Eager
 autograd on the same fp32 formula (Hugging Face's LlamaRMSNorm) saves an fp32 copy of x and
 more: for a bf16 model that is at least 4 extra bytes per element, per norm, twice per layer.
 
-Numerics: everything is computed in fp32 (fp64 when x is fp64), whatever x's dtype, and the
-result is rounded once to x's dtype. The output dtype is x's dtype even when weight is an fp32
-master weight; Hugging Face's LlamaRMSNorm instead rounds xhat to x's dtype and then multiplies
-by the weight, which returns fp32 for an fp32 weight. The two agree to within one rounding of
-x's dtype. dweight is reduced in fp32 and cast to weight's dtype.
+Numerics: everything is computed in fp32 (fp64 when x is fp64, PyTorch path only), whatever x's
+dtype, and the result is rounded once to x's dtype. The two paths differ only in the order of
+fp32 sums (and, on GPU, in the last bits of rsqrt and division). The output dtype is x's dtype
+even when weight is an fp32 master weight; Hugging Face's LlamaRMSNorm instead rounds xhat to
+x's dtype and then multiplies by the weight, which returns fp32 for an fp32 weight. The two agree
+to within one rounding of x's dtype. dweight is reduced in fp32 and cast to weight's dtype.
 
 Cautions: autocast does not change any op used here (there are no matmuls, and the ops that
 autocast runs in fp32 already get fp32 inputs), so the Function gives the same result inside
@@ -27,10 +42,305 @@ and outside torch.autocast. The weight is saved with save_for_backward rather th
 ctx so that an in-place update of it before backward is caught by autograd's version check.
 """
 
+import functools
+import types
+
 import torch
 from torch import Tensor
 
-__all__ = ["RMSNormFunction", "rms_norm"]
+from memfit.ops._triton import launch, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # e.g. macOS: the kernels below are defined but never launched
+    triton = types.SimpleNamespace(jit=lambda fn: fn)
+    tl = types.SimpleNamespace(constexpr=None)
+    _HAS_TRITON = False
+
+__all__ = ["RMSNormFunction", "rms_norm", "rms_norm_backward", "rms_norm_forward"]
+
+# Rows up to this size are normalized in registers in one pass (32 warps x 32 fp32 values per
+# thread per tensor at the limit); longer rows take the PyTorch path.
+MAX_FUSED_HIDDEN = 32768
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Each program owns a (BLOCK_ROWS, BLOCK_HIDDEN) tile: one row for hidden > 2048,
+# several rows for smaller hidden so that a program still moves a few KiB. Columns are contiguous
+# (stride 1); rows have a stride. Row indices are int64 so that row * stride cannot overflow.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    x_ptr,
+    weight_ptr,
+    y_ptr,
+    rstd_ptr,
+    rows,
+    hidden,
+    stride_x_row,
+    stride_y_row,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
+):
+    row_index = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    col_index = tl.arange(0, BLOCK_HIDDEN)
+    row_mask = row_index < rows
+    col_mask = col_index < hidden
+    mask = row_mask[:, None] & col_mask[None, :]  # (BLOCK_ROWS, BLOCK_HIDDEN)
+
+    x_ptrs = x_ptr + row_index[:, None] * stride_x_row + col_index[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + col_index, mask=col_mask, other=0.0).to(tl.float32)
+
+    # Masked columns load as 0, so the sum is over the hidden real ones.
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)  # (BLOCK_ROWS,)
+    y = x * rstd[:, None] * weight[None, :]  # same order as the PyTorch path: (x * rstd) * w
+
+    y_ptrs = y_ptr + row_index[:, None] * stride_y_row + col_index[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row_index, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    grad_y_ptr,
+    x_ptr,
+    weight_ptr,
+    rstd_ptr,
+    grad_x_ptr,
+    grad_weight_partial_ptr,
+    rows,
+    hidden,
+    stride_grad_y_row,
+    stride_x_row,
+    stride_grad_x_row,
+    row_blocks,
+    num_programs,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
+    COMPUTE_GRAD_X: tl.constexpr,
+    COMPUTE_GRAD_WEIGHT: tl.constexpr,
+):
+    # Persistent: program p handles row blocks p, p + num_programs, ... and keeps its share of
+    # dweight in registers; it writes one (hidden,) fp32 partial at the end (no atomics).
+    program = tl.program_id(0)
+    col_index = tl.arange(0, BLOCK_HIDDEN)
+    col_mask = col_index < hidden
+    weight = tl.load(weight_ptr + col_index, mask=col_mask, other=0.0).to(tl.float32)
+    grad_weight_acc = tl.zeros((BLOCK_ROWS, BLOCK_HIDDEN), dtype=tl.float32)
+
+    # A while loop rather than range(program, row_blocks, num_programs): Triton 3.6's
+    # interpreter cannot take tensors as range bounds under NumPy >= 2.3.
+    row_block = program
+    while row_block < row_blocks:
+        row_index = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        row_mask = row_index < rows
+        mask = row_mask[:, None] & col_mask[None, :]  # (BLOCK_ROWS, BLOCK_HIDDEN)
+
+        x_ptrs = x_ptr + row_index[:, None] * stride_x_row + col_index[None, :]
+        grad_y_ptrs = grad_y_ptr + row_index[:, None] * stride_grad_y_row + col_index[None, :]
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        grad_y = tl.load(grad_y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # Masked rows get rstd = 0, hence xhat = 0: they add nothing to dweight.
+        rstd = tl.load(rstd_ptr + row_index, mask=row_mask, other=0.0)  # (BLOCK_ROWS,)
+        x_hat = x * rstd[:, None]
+
+        if COMPUTE_GRAD_X:
+            g = grad_y * weight[None, :]
+            # d(xhat)/dx = rstd * (I - xhat xhat^T / hidden): remove g's component along xhat.
+            row_dot = tl.sum(g * x_hat, axis=1) / hidden  # (BLOCK_ROWS,)
+            grad_x = (g - x_hat * row_dot[:, None]) * rstd[:, None]
+            grad_x_ptrs = grad_x_ptr + row_index[:, None] * stride_grad_x_row + col_index[None, :]
+            tl.store(grad_x_ptrs, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        if COMPUTE_GRAD_WEIGHT:
+            grad_weight_acc += grad_y * x_hat
+        row_block += num_programs
+
+    if COMPUTE_GRAD_WEIGHT:
+        grad_weight_partial = tl.sum(grad_weight_acc, axis=0)  # (BLOCK_HIDDEN,)
+        tl.store(
+            grad_weight_partial_ptr + program * hidden + col_index,
+            grad_weight_partial,
+            mask=col_mask,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: validate, allocate, grid.
+# ---------------------------------------------------------------------------------------------
+
+
+def _tile(rows: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_HIDDEN, num_warps): at least 4096 elements per tile, 512 per warp."""
+    block_hidden = triton.next_power_of_2(hidden)
+    block_rows = min(max(1, 4096 // block_hidden), triton.next_power_of_2(rows))
+    num_warps = min(max(block_rows * block_hidden // 512, 4), 32)
+    return block_rows, block_hidden, num_warps
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _backward_programs(device: torch.device, num_warps: int) -> int:
+    """Persistent programs in the backward grid: about 16 warps per SM, which measured best on an
+    H100 at hidden 2048 (more programs mean more (hidden,) partials for the final sum to read
+    back, and no faster loop). A few on CPU (the interpreter), so that tests see programs
+    looping over several tiles."""
+    if device.type != "cuda":
+        return 4
+    return max(1, 16 // num_warps) * _sm_count(device.index or 0)
+
+
+def _validate_kernel_inputs(name: str, x2d: Tensor, weight: Tensor) -> None:
+    if not _HAS_TRITON:
+        raise RuntimeError(f"{name} needs triton; use rms_norm(), which falls back to PyTorch")
+    if x2d.dim() != 2 or x2d.stride(1) != 1:
+        raise ValueError(
+            f"{name} expects a 2-D x with contiguous rows, got shape={tuple(x2d.shape)} and "
+            f"stride={x2d.stride()}; reshape with x.reshape(-1, hidden) and call .contiguous()"
+        )
+    rows, hidden = x2d.shape
+    if weight.shape != (hidden,) or x2d.device != weight.device:
+        raise ValueError(
+            f"{name} expects weight of shape ({hidden},) on {x2d.device}, got "
+            f"shape={tuple(weight.shape)} on {weight.device}"
+        )
+    if x2d.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES:
+        raise ValueError(
+            f"{name} takes fp32, bf16 or fp16 tensors, got x.dtype={x2d.dtype} and "
+            f"weight.dtype={weight.dtype}; use rms_norm() for other dtypes"
+        )
+    if not 0 < hidden <= MAX_FUSED_HIDDEN or rows == 0:
+        raise ValueError(
+            f"{name} takes 1 <= hidden <= {MAX_FUSED_HIDDEN} and rows >= 1, got rows={rows} and "
+            f"hidden={hidden}; use rms_norm(), which falls back to PyTorch"
+        )
+
+
+def rms_norm_forward(x2d: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Triton forward. x2d: (rows, hidden) with stride(1) == 1; weight: (hidden,).
+
+    Returns y (rows, hidden) in x2d's dtype and rstd (rows,) fp32.
+    """
+    _validate_kernel_inputs("rms_norm_forward", x2d, weight)
+    rows, hidden = x2d.shape
+    weight = weight.contiguous()
+    y = torch.empty((rows, hidden), dtype=x2d.dtype, device=x2d.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x2d.device)
+    block_rows, block_hidden, num_warps = _tile(rows, hidden)
+    grid = (triton.cdiv(rows, block_rows),)
+    launch(
+        _rms_norm_forward_kernel,
+        grid,
+        x2d.device,
+        x2d,
+        weight,
+        y,
+        rstd,
+        rows,
+        hidden,
+        x2d.stride(0),
+        y.stride(0),
+        eps,
+        BLOCK_ROWS=block_rows,
+        BLOCK_HIDDEN=block_hidden,
+        num_warps=num_warps,
+    )
+    return y, rstd
+
+
+def rms_norm_backward(
+    grad_y2d: Tensor,
+    x2d: Tensor,
+    weight: Tensor,
+    rstd: Tensor,
+    *,
+    compute_grad_x: bool = True,
+    compute_grad_weight: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Triton backward. grad_y2d, x2d: (rows, hidden) with stride(1) == 1; weight: (hidden,);
+    rstd: (rows,) fp32 from `rms_norm_forward`.
+
+    Returns grad_x (rows, hidden) in x2d's dtype and grad_weight (hidden,) in weight's dtype,
+    each None when not asked for.
+    """
+    _validate_kernel_inputs("rms_norm_backward", x2d, weight)
+    rows, hidden = x2d.shape
+    if grad_y2d.shape != x2d.shape or grad_y2d.stride(1) != 1:
+        raise ValueError(
+            f"rms_norm_backward expects grad_y of shape {tuple(x2d.shape)} with contiguous "
+            f"rows, got shape={tuple(grad_y2d.shape)} and stride={grad_y2d.stride()}"
+        )
+    if rstd.shape != (rows,) or rstd.dtype != torch.float32 or not rstd.is_contiguous():
+        raise ValueError(
+            f"rms_norm_backward expects a contiguous fp32 rstd of shape ({rows},), got "
+            f"shape={tuple(rstd.shape)} and dtype={rstd.dtype}"
+        )
+    weight = weight.contiguous()
+    block_rows, block_hidden, num_warps = _tile(rows, hidden)
+    row_blocks = triton.cdiv(rows, block_rows)
+    num_programs = min(row_blocks, _backward_programs(x2d.device, num_warps))
+
+    grad_x = partials = None
+    if compute_grad_x:
+        grad_x = torch.empty((rows, hidden), dtype=x2d.dtype, device=x2d.device)
+    if compute_grad_weight:
+        partials = torch.empty((num_programs, hidden), dtype=torch.float32, device=x2d.device)
+    launch(
+        _rms_norm_backward_kernel,
+        (num_programs,),
+        x2d.device,
+        grad_y2d,
+        x2d,
+        weight,
+        rstd,
+        grad_x if compute_grad_x else x2d,  # never written when not asked for
+        partials if compute_grad_weight else rstd,  # never written when not asked for
+        rows,
+        hidden,
+        grad_y2d.stride(0),
+        x2d.stride(0),
+        grad_x.stride(0) if compute_grad_x else 0,
+        row_blocks,
+        num_programs,
+        BLOCK_ROWS=block_rows,
+        BLOCK_HIDDEN=block_hidden,
+        COMPUTE_GRAD_X=compute_grad_x,
+        COMPUTE_GRAD_WEIGHT=compute_grad_weight,
+        num_warps=num_warps,
+    )
+    grad_weight = partials.sum(dim=0).to(weight.dtype) if compute_grad_weight else None
+    return grad_x, grad_weight
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd Function: dispatch between the Triton kernels and the plain-PyTorch path.
+# ---------------------------------------------------------------------------------------------
+
+
+def _use_triton(x: Tensor, weight: Tensor) -> bool:
+    """The Triton kernels where `memfit.ops._triton.use_triton` says so and the dtype and size suit
+    them; else the PyTorch path."""
+    if x.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES:
+        return False  # fp64 (gradcheck) stays on the PyTorch path
+    if x.numel() == 0 or x.shape[-1] > MAX_FUSED_HIDDEN:
+        return False
+    return use_triton(x)
+
+
+def _rows_view(tensor: Tensor) -> Tensor:
+    """(..., hidden) -> (rows, hidden) with stride(1) == 1: a view when possible, else a copy."""
+    tensor2d = tensor.reshape(-1, tensor.shape[-1])
+    return tensor2d if tensor2d.stride(1) == 1 else tensor2d.contiguous()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,6 +353,13 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        ctx.used_triton = _use_triton(x, weight)
+        if ctx.used_triton:
+            y2d, rstd = rms_norm_forward(_rows_view(x), weight, eps)  # (rows, hidden), (rows,)
+            # x itself is saved, not its 2-D copy (if reshape had to copy): no new memory.
+            ctx.save_for_backward(x, weight, rstd)
+            return y2d.view(x.shape)
+
         compute_dtype = _compute_dtype(x.dtype)
         x_wide = x.to(compute_dtype)  # (..., hidden); no copy when x is already wide
         rstd = torch.rsqrt(x_wide.square().mean(dim=-1, keepdim=True) + eps)  # (..., 1)
@@ -55,6 +372,18 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
+        if ctx.used_triton:
+            grad_x2d, grad_weight = rms_norm_backward(
+                _rows_view(grad_y),
+                _rows_view(x),
+                weight,
+                rstd,
+                compute_grad_x=ctx.needs_input_grad[0],
+                compute_grad_weight=ctx.needs_input_grad[1],
+            )
+            grad_x = grad_x2d.view(x.shape) if grad_x2d is not None else None
+            return grad_x, grad_weight, None
+
         compute_dtype = rstd.dtype
         xhat = x.to(compute_dtype) * rstd  # (..., hidden)
         grad_y_wide = grad_y.to(compute_dtype)
@@ -74,8 +403,12 @@ class RMSNormFunction(torch.autograd.Function):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMS-normalize x over its last dimension and scale by weight.
 
+    Runs the Triton kernels on CUDA (and on CPU inside `triton_on_cpu()`), plain PyTorch
+    otherwise and while torch.compile traces; see the module docstring.
+
     Args:
         x: (..., hidden) activations, fp32, bf16 or fp16 (fp64 is accepted, for testing).
+            May be non-contiguous.
         weight: (hidden,) scale, usually an fp32 master weight.
         eps: added to mean(x**2) before the square root; must be >= 0.
 

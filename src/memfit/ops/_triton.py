@@ -1,0 +1,66 @@
+"""When memfit's ops run their Triton kernels, and when their plain-PyTorch path.
+
+- CUDA tensors: the Triton kernels, except while torch.compile traces (Inductor then fuses the
+  plain-PyTorch path itself) or where triton is not installed.
+- CPU tensors: the plain-PyTorch path, except inside `triton_on_cpu()`, which tests use to run
+  the kernels under Triton's interpreter. Triton decides whether a kernel is interpreted when the
+  kernel is defined, so the interpreter needs TRITON_INTERPRET=1 in the environment before triton
+  and memfit.ops are imported (tests/conftest.py sets it on machines without CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_cpu_requested = False
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Run the ops' Triton kernels on CPU tensors, under the interpreter (for tests)."""
+    global _cpu_requested
+    if importlib.util.find_spec("triton") is None or not interpreter_enabled():
+        raise RuntimeError(
+            "triton_on_cpu() needs triton and TRITON_INTERPRET=1 set before triton is imported"
+        )
+    previous, _cpu_requested = _cpu_requested, True
+    try:
+        yield
+    finally:
+        _cpu_requested = previous
+
+
+def use_triton_on(device: torch.device) -> bool:
+    if not HAS_TRITON or torch.compiler.is_compiling():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and _cpu_requested
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    return use_triton_on(tensor.device)
+
+
+def launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **meta) -> None:
+    """kernel[grid](*args, **meta) on `device`: Triton launches on the current CUDA device, so
+    switch to the tensors' device if it is another one. On CPU (interpreter) just call it."""
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and device.index != torch.cuda.current_device()
+    ):
+        with torch.cuda.device(device):
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
