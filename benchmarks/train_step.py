@@ -5,8 +5,11 @@ Both systems: preset llama-1b shapes (953.2M parameters), sequence 2048, fp32 we
 autocast, torch SDPA attention, fused AdamW, global-norm clipping at 1.0, identical random token
 batches. Settings: micro-batch 4 and 8 x activation checkpointing off and full.
 
-    python benchmarks/train_step.py                 # all four settings, both systems
-    python benchmarks/train_step.py --eager         # adds memfit with torch.compile off
+    python benchmarks/train_step.py                          # all four settings, HF and memfit
+    python benchmarks/train_step.py --variants eager compiled  # also memfit with compile off / on
+
+"memfit" is memfit as `memfit train` runs it (--compile auto: blocks compiled on CUDA unless
+they are checkpointed); "memfit-eager" and "memfit-compiled" force compile off and on.
 
 tokens/s = tokens per step / median step time over `--repeat` steps after `--warmup` steps.
 MFU = tokens/s x (6 x params + 6 x layers x hidden x seq) / 989 TFLOP/s (causal attention FLOPs,
@@ -67,13 +70,14 @@ def bench_memfit(
             }
         )
         trainer = Trainer(config)
+        compiled = trainer.compiled
         trainer.batches = random_batches(trainer.model_config.vocab_size, micro_batch, seed=0)
         losses = []
         times = time_steps(
             lambda: losses.append(trainer.train_step().loss), warmup=warmup, repeat=repeat
         )
         peak = torch.cuda.max_memory_allocated()
-    return {"times": times, "peak_bytes": peak, "final_loss": losses[-1]}
+    return {"times": times, "peak_bytes": peak, "final_loss": losses[-1], "compiled": compiled}
 
 
 def bench_hf(micro_batch: int, checkpointing: str, *, warmup: int, repeat: int) -> dict:
@@ -128,7 +132,11 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--checkpointing", nargs="+", default=["none", "full"])
     parser.add_argument(
-        "--eager", action="store_true", help="also measure memfit with torch.compile off"
+        "--variants",
+        nargs="*",
+        default=[],
+        choices=["eager", "compiled"],
+        help="also measure memfit with torch.compile forced off (eager) or on (compiled)",
     )
     parser.add_argument(
         "--no-save", action="store_true", help="do not append to benchmarks/results/train_step.json"
@@ -140,8 +148,8 @@ def main() -> None:
     shape = PRESETS["llama-1b"]
     flops_per_token = shape.flops_per_token(SEQ_LEN)
     records = []
-    # memfit as `memfit train` runs it on CUDA (compile auto: blocks compiled), and eager
-    systems = [("hf", ""), ("memfit", "auto")] + ([("memfit-eager", "off")] if args.eager else [])
+    systems = [("hf", ""), ("memfit", "auto")]
+    systems += [(f"memfit-{v}", {"eager": "off", "compiled": "on"}[v]) for v in args.variants]
     for checkpointing in args.checkpointing:
         for micro_batch in args.micro_batches:
             for system, compile in systems:
@@ -170,6 +178,7 @@ def main() -> None:
                     "mfu": tokens / stats["p50"] * flops_per_token / H100_BF16_FLOPS,
                     "peak_allocated_bytes": result["peak_bytes"],
                     "final_loss": result["final_loss"],
+                    "compiled": result.get("compiled", False),
                 }
                 records.append(record)
                 print(

@@ -64,7 +64,7 @@ class ModelSection(_Section):
     """A preset (tiny, llama-1b, llama-2-7b, ...) or the path of a Hugging Face config.json."""
     attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile each transformer block; auto: on for CUDA, off on CPU."""
+    """torch.compile each transformer block; auto: on for CUDA without activation checkpointing."""
 
 
 @dataclass(kw_only=True)

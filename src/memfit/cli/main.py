@@ -59,7 +59,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compile",
         choices=["auto", "on", "off"],
-        help="torch.compile each block (auto: on for CUDA, off on CPU)",
+        help="torch.compile each block (auto: on for CUDA without --checkpointing)",
     )
     p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")

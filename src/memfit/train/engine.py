@@ -173,8 +173,14 @@ class Trainer:
 
         # 4. techniques, in order: activation checkpointing, then compile
         apply_activation_checkpointing(self.model, train.checkpointing)
+        # auto: compile on CUDA when blocks are not checkpointed. Compiled checkpointed blocks
+        # kept more memory than eager ones in our H100 measurements (llama-1b, micro-batch 8,
+        # full: 19.8 vs 15.4 GiB peak), while eager with memfit's kernels was within 3-12% of
+        # their speed (BENCHMARKS.md); --compile on still compiles them.
         self.compiled = config.model.compile == "on" or (
-            config.model.compile == "auto" and self.device.type == "cuda"
+            config.model.compile == "auto"
+            and self.device.type == "cuda"
+            and train.checkpointing == "none"
         )
         if self.compiled:
             # Inductor fuses each block's elementwise work (norms, RoPE, SwiGLU, residual adds)
