@@ -153,6 +153,11 @@ def main() -> None:
     for checkpointing in args.checkpointing:
         for micro_batch in args.micro_batches:
             for system, compile in systems:
+                auto = (
+                    "on" if checkpointing == "none" else "off"
+                )  # what --compile auto picks on CUDA
+                if system != "memfit" and compile == auto:
+                    continue  # the same configuration as the "memfit" row
                 if system == "hf":
                     result = bench_hf(
                         micro_batch, checkpointing, warmup=args.warmup, repeat=args.repeat
