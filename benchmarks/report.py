@@ -42,8 +42,11 @@ def train_step_table(run: dict) -> str:
         )
         name = {
             "hf": "HF LlamaForCausalLM",
-            "memfit": "**memfit**",
-            "memfit-eager": "memfit, eager",
+            "memfit": "**memfit** (default: compiled)"
+            if r.get("compiled")
+            else "**memfit** (default: eager)",
+            "memfit-eager": "memfit, --compile off",
+            "memfit-compiled": "memfit, --compile on",
         }.get(r["system"], r["system"])
         lines.append(
             f"| {r['checkpointing']} | {r['micro_batch']} | {name} | {r['tokens_per_s']:,.0f} | {r['mfu']:.2f} | "
@@ -73,10 +76,12 @@ def main() -> None:
             for r in run["records"]
         ]
         table = render(newest)
-        pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(\n<!-- /table:{name} -->)", re.S)
+        pattern = re.compile(rf"(<!-- table:{name} -->).*?(<!-- /table:{name} -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"BENCHMARKS.md has no <!-- table:{name} --> markers")
-        text = pattern.sub(lambda m, table=table: m.group(1) + table + m.group(2), text)
+        text = pattern.sub(
+            lambda m, table=table: m.group(1) + "\n" + table + "\n" + m.group(2), text
+        )
     DOC.write_text(text)
     print(f"wrote {DOC}")
 
