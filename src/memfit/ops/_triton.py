@@ -1,4 +1,5 @@
-"""When memfit's ops run their Triton kernels, and when their plain-PyTorch path.
+"""What memfit's ops share: when they run their Triton kernels (and when their plain-PyTorch
+path), how they launch, and small layout and dtype helpers.
 
 - CUDA tensors: the Triton kernels, except while torch.compile traces (Inductor then fuses the
   plain-PyTorch path itself) or where triton is not installed.
@@ -64,3 +65,14 @@ def launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **meta) -
             kernel[grid](*args, **meta)
     else:
         kernel[grid](*args, **meta)
+
+
+def rows_view(tensor: torch.Tensor) -> torch.Tensor:
+    """(..., width) -> (rows, width) with stride(1) == 1: a view when possible, else a copy."""
+    tensor2d = tensor.reshape(-1, tensor.shape[-1])
+    return tensor2d if tensor2d.stride(1) == 1 else tensor2d.contiguous()
+
+
+def promoted_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16-bit inputs, fp64 for fp64 inputs (so that gradcheck works)."""
+    return torch.promote_types(dtype, torch.float32)

@@ -48,7 +48,7 @@ import types
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, use_triton
+from memfit.ops._triton import launch, promoted_dtype, rows_view, use_triton
 
 try:
     import triton
@@ -337,17 +337,6 @@ def _use_triton(x: Tensor, weight: Tensor) -> bool:
     return use_triton(x)
 
 
-def _rows_view(tensor: Tensor) -> Tensor:
-    """(..., hidden) -> (rows, hidden) with stride(1) == 1: a view when possible, else a copy."""
-    tensor2d = tensor.reshape(-1, tensor.shape[-1])
-    return tensor2d if tensor2d.stride(1) == 1 else tensor2d.contiguous()
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16-bit inputs, fp64 for fp64 inputs (so that gradcheck works)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNormFunction(torch.autograd.Function):
     """y = x * rsqrt(mean(x**2) + eps) * weight, saving x, rstd and the weight reference."""
 
@@ -355,12 +344,12 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         ctx.used_triton = _use_triton(x, weight)
         if ctx.used_triton:
-            y2d, rstd = rms_norm_forward(_rows_view(x), weight, eps)  # (rows, hidden), (rows,)
+            y2d, rstd = rms_norm_forward(rows_view(x), weight, eps)  # (rows, hidden), (rows,)
             # x itself is saved, not its 2-D copy (if reshape had to copy): no new memory.
             ctx.save_for_backward(x, weight, rstd)
             return y2d.view(x.shape)
 
-        compute_dtype = _compute_dtype(x.dtype)
+        compute_dtype = promoted_dtype(x.dtype)
         x_wide = x.to(compute_dtype)  # (..., hidden); no copy when x is already wide
         rstd = torch.rsqrt(x_wide.square().mean(dim=-1, keepdim=True) + eps)  # (..., 1)
         y = x_wide * rstd
@@ -374,8 +363,8 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         if ctx.used_triton:
             grad_x2d, grad_weight = rms_norm_backward(
-                _rows_view(grad_y),
-                _rows_view(x),
+                rows_view(grad_y),
+                rows_view(x),
                 weight,
                 rstd,
                 compute_grad_x=ctx.needs_input_grad[0],

@@ -53,7 +53,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, use_triton_on
+from memfit.ops._triton import launch, promoted_dtype, use_triton_on
 
 try:
     import triton
@@ -272,11 +272,6 @@ def _launch_rotary(
     return outputs
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16-bit inputs, fp64 for fp64 inputs (so that gradcheck works)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype) -> Tensor:
     """out = x * cos + rotate_half(x) * sin, computed in cos's dtype, returned in out_dtype.
 
@@ -311,7 +306,7 @@ def _rotate_transposed(dy: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dt
 
 def _rotary_forward(ctx, inputs: tuple[Tensor, ...], cos: Tensor, sin: Tensor) -> tuple:
     """Shared forward of the two Functions: save the tables, rotate every input."""
-    compute_dtype = _compute_dtype(inputs[0].dtype)
+    compute_dtype = promoted_dtype(inputs[0].dtype)
     cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)  # no copy for fp32 tables
     ctx.save_for_backward(cos, sin)
     ctx.x_dtype = inputs[0].dtype

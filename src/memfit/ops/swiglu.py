@@ -45,7 +45,7 @@ import types
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, use_triton
+from memfit.ops._triton import launch, promoted_dtype, rows_view, use_triton
 
 try:
     import triton
@@ -236,17 +236,6 @@ def _use_triton(gate_up: Tensor) -> bool:
     return use_triton(gate_up)
 
 
-def _rows_view(tensor: Tensor) -> Tensor:
-    """(..., width) -> (rows, width) with stride(1) == 1: a view when possible, else a copy."""
-    tensor2d = tensor.reshape(-1, tensor.shape[-1])
-    return tensor2d if tensor2d.stride(1) == 1 else tensor2d.contiguous()
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16-bit inputs, fp64 for fp64 inputs (so that gradcheck works)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class SwiGLUFunction(torch.autograd.Function):
     """out = silu(gate) * up for gate_up = [gate, up]; saves only gate_up."""
 
@@ -257,10 +246,10 @@ class SwiGLUFunction(torch.autograd.Function):
         # gate_up itself is saved, not a 2-D copy of it (if reshape had to copy): no new memory.
         ctx.save_for_backward(gate_up)
         if ctx.used_triton:
-            out2d = swiglu_forward(_rows_view(gate_up))  # (rows, ffn)
+            out2d = swiglu_forward(rows_view(gate_up))  # (rows, ffn)
             return out2d.view(*gate_up.shape[:-1], ffn)
 
-        compute_dtype = _compute_dtype(gate_up.dtype)
+        compute_dtype = promoted_dtype(gate_up.dtype)
         gate = gate_up[..., :ffn].to(compute_dtype)  # (..., ffn)
         up = gate_up[..., ffn:].to(compute_dtype)  # (..., ffn)
         out = torch.nn.functional.silu(gate).mul_(up)
@@ -270,11 +259,11 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor) -> Tensor:
         (gate_up,) = ctx.saved_tensors
         if ctx.used_triton:
-            grad_gate_up2d = swiglu_backward(_rows_view(grad_out), _rows_view(gate_up))
+            grad_gate_up2d = swiglu_backward(rows_view(grad_out), rows_view(gate_up))
             return grad_gate_up2d.view(gate_up.shape)  # (..., 2 * ffn)
 
         ffn = gate_up.shape[-1] // 2
-        compute_dtype = _compute_dtype(gate_up.dtype)
+        compute_dtype = promoted_dtype(gate_up.dtype)
         gate = gate_up[..., :ffn].to(compute_dtype)  # (..., ffn)
         up = gate_up[..., ffn:].to(compute_dtype)  # (..., ffn)
         grad_out = grad_out.to(compute_dtype)
