@@ -61,6 +61,7 @@ def run_train(config: Config, console: Console) -> int:
                 f"{m.tokens_per_s:,.0f} tok/s  mem {gib(m.mem_allocated_bytes)} (peak {gib(m.mem_peak_bytes)})"
                 + (f"  MFU {m.mfu:.1%}" if m.mfu is not None else ""),
                 highlight=False,
+                soft_wrap=True,
             )
 
     with progress:
