@@ -1,0 +1,371 @@
+"""The memory model: per-GPU bytes of a training step, by category and by phase, following the
+engine's actual dataflow (train/engine.py, models/llama.py, ops/).
+
+Notation: P parameters, L layers, h hidden, q = heads*head_dim, kv = kv_heads*head_dim,
+f = intermediate (ffn) size, V vocabulary, H heads, T = micro_batch * seq_len tokens,
+c = bytes per element of the compute dtype (2 for bf16/fp16, 4 for fp32), N data-parallel ranks.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", section 3 and figure 1, for mixed-precision Adam):
+memfit keeps the parameters themselves in fp32 (they are the master weights; autocast casts
+them for each matmul), so per GPU
+    params 4P (stage 3: 4P/N) + grads 4P (stage >= 2: 4P/N) + AdamW 8P / SGD 4P (stage >= 1: /N),
+and no separate master copy. `--offload optimizer` moves the optimizer states to CPU memory.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4.1, redone for this model's kernels): per layer the engine keeps, in the compute
+dtype, the residual input of each norm (2 x Th), each norm's output (2 x Th, the matmuls' inputs),
+q and k after RoPE and v (T(q+2kv)), the attention output (Tq), gate_up (2Tf) and the SwiGLU
+output (Tf), plus fp32 1/rms per norm (2 x 4T) and the attention log-sum-exp (4TH):
+    none:       c*T*(4h + 2q + 2kv + 3f) + 4T*(2 + H)
+    full:       c*T*h              (the block input; one block's activations are rebuilt in backward)
+    selective:  c*T*(h + q) + 4TH  (block input + attention output and log-sum-exp)
+Flash/SDPA attention removes Korthikanti's 5as/h term; eager attention keeps the probabilities.
+
+Around the blocks: the final norm's input (c*Th + 4T), and the fused linear cross-entropy's saved
+gradients, grad_hidden (Th x 2 bytes in bf16, 4 otherwise) and grad_weight (Vh x 4): the logits are
+never kept. While it runs, one chunk of fp32 logits (and its bf16 gradient) is alive.
+
+Temporaries: under autocast every matmul weight is cast to the compute dtype once per forward and
+that copy is cached until the forward ends; without checkpointing the matmuls also save it for
+backward, so 2 bytes per matmul parameter live from forward to backward.
+
+Phases: the peak of a step is the largest of
+  - end of forward (inside the loss): states + activations + weight copies + loss buffers;
+  - backward: starts from the end-of-forward memory minus the loss's transient buffers, then each
+    layer frees its activations and weight copies and adds its fp32 gradients; checked at both ends
+    and with the largest layer-backward transient;
+  - optimizer step: params + grads + optimizer states.
+With gradient accumulation the gradients of earlier micro-batches are alive in every phase.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+from memfit.models.config import ModelConfig
+from memfit.planner.hardware import GPU, GiB
+
+CATEGORIES = (
+    "params",
+    "grads",
+    "master_weights",
+    "optimizer_states",
+    "activations",
+    "logits_loss",
+    "temporaries",
+    "runtime_overhead",
+)
+
+# Beyond what the allocator hands out (max_memory_allocated), a process holds its CUDA context and
+# the caching allocator's unused blocks: the budget the planner keeps free on every GPU.
+CUDA_CONTEXT_BYTES = 600 * 2**20
+FRAGMENTATION = 0.05
+# cuBLAS / cuBLASLt workspaces come from the caching allocator (PyTorch >= 1.11).
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+# memfit's linear cross-entropy sizes a chunk of fp32 logits to this many bytes (ops/cross_entropy.py).
+CE_CHUNK_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    checkpointing: Literal["none", "full", "selective"] = "none"
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    attention: Literal["sdpa", "flash", "eager"] = "sdpa"
+    fused_cross_entropy: bool = True
+    zero: int = 0
+    offload: Literal["none", "optimizer", "params"] = "none"
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1 or self.seq_len < 1 or self.grad_accum < 1 or self.world_size < 1:
+            raise ValueError(
+                f"micro_batch, seq_len, grad_accum and world_size must be >= 1: {self}"
+            )
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.zero > 0 and self.world_size == 1 and self.offload == "none":
+            raise ValueError(
+                f"ZeRO stage {self.zero} on one GPU shards nothing; use --gpus N > 1 (or --offload optimizer)"
+            )
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError(
+                "--offload params needs ZeRO stage 3 (parameters are sharded and gathered per block)"
+            )
+
+    def describe(self) -> str:
+        parts = [self.precision, f"mb {self.micro_batch}", f"seq {self.seq_len}"]
+        if self.grad_accum > 1:
+            parts.append(f"accum {self.grad_accum}")
+        parts.append(f"ckpt {self.checkpointing}")
+        if self.zero or self.world_size > 1:
+            parts.append(f"zero {self.zero} x {self.world_size} GPUs")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
+        return ", ".join(parts)
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted per-GPU memory of one training step."""
+
+    model: ModelConfig
+    strategy: Strategy
+    breakdown: dict[str, int]
+    """Bytes per category at the peak phase."""
+    phases: dict[str, int]
+    """Peak allocated bytes in each phase: forward, backward, optimizer."""
+    peak_bytes: int
+    """Predicted torch.cuda.max_memory_allocated()."""
+    capacity_bytes: int | None = None
+    gpu: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def required_bytes(self) -> int:
+        """What the GPU must hold: the peak plus allocator slack and the CUDA context."""
+        return int(self.peak_bytes * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity_bytes is None or self.required_bytes <= self.capacity_bytes
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return (
+            0 if self.capacity_bytes is None else max(0, self.required_bytes - self.capacity_bytes)
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model.name,
+            "gpu": self.gpu,
+            "strategy": asdict(self.strategy),
+            "peak_bytes": self.peak_bytes,
+            "required_bytes": self.required_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "fits": self.fits,
+            "breakdown": self.breakdown,
+            "phases": self.phases,
+        }
+
+
+def _sizes(model: ModelConfig) -> dict[str, int]:
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_heads * d, model.num_kv_heads * d
+    per_layer_matmul = h * (q + 2 * kv) + q * h + 3 * h * model.intermediate_size
+    return {
+        "h": h,
+        "q": q,
+        "kv": kv,
+        "f": model.intermediate_size,
+        "V": model.vocab_size,
+        "H": model.num_heads,
+        "L": model.num_layers,
+        "P": model.num_params,
+        "P_layer": per_layer_matmul + (q + 2 * kv if model.qkv_bias else 0) + 2 * h,
+        "P_matmul_layer": per_layer_matmul,
+    }
+
+
+def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | None = None) -> int:
+    """Bytes one block keeps for backward after its forward (per micro-batch)."""
+    s = _sizes(model)
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    mode = mode or strategy.checkpointing
+    if mode == "full":
+        return c * T * s["h"]
+    if mode == "selective" and strategy.attention != "eager":
+        return c * T * (s["h"] + s["q"]) + 4 * T * s["H"]
+    total = c * T * (4 * s["h"] + 2 * s["q"] + 2 * s["kv"] + 3 * s["f"]) + 4 * T * (2 + s["H"])
+    if strategy.attention == "eager":
+        # fp32 scores -> probabilities (kept by softmax) and their compute-dtype copy (kept by the
+        # second matmul); k and v repeated per query head when grouped
+        total += T * s["H"] * strategy.seq_len * (4 + c)
+        if s["q"] != s["kv"]:
+            total += 2 * c * T * s["q"]
+    return total
+
+
+def _cross_entropy(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:
+    """(saved bytes, transient bytes while it runs) of the loss for one micro-batch."""
+    s = _sizes(model)
+    T = strategy.micro_batch * strategy.seq_len
+    low = strategy.precision != "fp32"
+    if not strategy.fused_cross_entropy:  # logits in compute dtype + fp32 log-softmax kept
+        c = 2 if low else 4
+        return T * s["V"] * (c + 4), T * s["V"] * 4
+    grad_hidden = T * s["h"] * (2 if strategy.precision == "bf16" else 4)
+    grad_weight = s["V"] * s["h"] * 4
+    rows = max(1, CE_CHUNK_BYTES // (s["V"] * 4))
+    rows = min(T, max(256, rows // 256 * 256) if rows >= 256 else rows)
+    logits = rows * s["V"] * 4
+    grad_buffer = rows * s["V"] * 2 if strategy.precision == "bf16" else 0
+    weight_copy = s["V"] * s["h"] * 2 if low else 0
+    return grad_hidden + grad_weight, logits + grad_buffer + weight_copy
+
+
+def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> MemoryPlan:
+    """Predict the per-GPU memory of a training step of `model` under `strategy` on `gpu`."""
+    s = _sizes(model)
+    N = strategy.world_size
+    P, L = s["P"], s["L"]
+    c_low = 2 if strategy.precision != "fp32" else 0  # bytes of autocast's weight copies
+    T = strategy.micro_batch * strategy.seq_len
+
+    # model states (ZeRO sharding of the flat buffers)
+    params = 4 * P // (N if strategy.zero == 3 else 1)
+    if strategy.offload == "params":
+        params = 0
+    grads = 4 * P // (N if strategy.zero >= 2 else 1)
+    optimizer_per_param = 8 if strategy.optimizer == "adamw" else 4
+    optimizer = optimizer_per_param * P // (N if strategy.zero >= 1 else 1)
+    if strategy.offload in ("optimizer", "params"):
+        optimizer = 0
+
+    # activations of one micro-batch at the end of its forward
+    per_layer = layer_activation_bytes(model, strategy)
+    c = 4 if strategy.precision == "fp32" else 2
+    outside = c * T * s["h"] + 4 * T + 8 * T  # final norm input, its 1/rms, token ids
+    activations = L * per_layer + outside
+    ce_saved, ce_transient = _cross_entropy(model, strategy)
+    weight_copies = c_low * L * s["P_matmul_layer"]
+    grads_alive_in_forward = grads if strategy.grad_accum > 1 else 0
+
+    ws = CUBLAS_WORKSPACE_BYTES
+
+    def phase(**parts: int) -> dict[str, int]:
+        base = {"params": params, "optimizer_states": optimizer, "runtime_overhead": ws}
+        return {key: int({**base, **parts}.get(key, 0)) for key in CATEGORIES}
+
+    # end of forward: inside the loss, every activation, weight copy and loss buffer is alive
+    forward = phase(
+        grads=grads_alive_in_forward,
+        activations=activations,
+        logits_loss=ce_saved + ce_transient,
+        temporaries=weight_copies,
+    )
+    # backward starts with the loss's saved gradients: grad_weight becomes the output projection's
+    # gradient, grad_hidden flows into the final norm. Checkpointed forwards dropped their weight
+    # copies when autocast exited; unchecked ones keep them until each layer's backward.
+    output_grad = 4 * s["V"] * s["h"]
+    grad_hidden = ce_saved - 4 * s["V"] * s["h"] if strategy.fused_cross_entropy else ce_saved
+    kept_copies = weight_copies if strategy.checkpointing == "none" else 0
+    transient = _layer_backward_transient(model, strategy)
+    backward_first = phase(
+        grads=grads_alive_in_forward or output_grad,
+        activations=activations,
+        logits_loss=grad_hidden,
+        temporaries=kept_copies + transient,
+    )
+    # ... and ends with every layer's activations and copies freed and its fp32 gradients made
+    layer_grad = 4 * s["P_layer"] // (N if strategy.zero >= 2 else 1)
+    backward_last = phase(
+        grads=grads if grads_alive_in_forward else min(grads, L * layer_grad + output_grad),
+        activations=outside,
+        temporaries=transient,
+    )
+    optimizer_step = phase(grads=grads)
+    candidates = {
+        "forward": forward,
+        "backward": max(backward_first, backward_last, key=lambda b: sum(b.values())),
+        "optimizer": optimizer_step,
+    }
+    phases = {name: sum(parts.values()) for name, parts in candidates.items()}
+    peak_phase = max(phases, key=phases.get)
+    breakdown = candidates[peak_phase]
+    peak = phases[peak_phase]
+
+    notes = []
+    if strategy.offload != "none":
+        notes.append("offloaded states live in pinned CPU memory, not counted here")
+    return MemoryPlan(
+        model=model,
+        strategy=strategy,
+        breakdown=breakdown,
+        phases=phases,
+        peak_bytes=int(peak),
+        capacity_bytes=gpu.memory_bytes if gpu is not None else None,
+        gpu=gpu.name if gpu is not None else None,
+        notes=notes,
+    )
+
+
+def _layer_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
+    """The largest memory a block's backward needs on top of what is already counted: the
+    gradient flowing in and out (2 x Th), the MLP's intermediate gradients (d gate_up 2Tf and
+    d swiglu-out Tf), and one weight gradient in the compute dtype before it is accumulated into
+    fp32. A checkpointed block first rebuilds its own activations and weight copies."""
+    s = _sizes(model)
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    transient = c * T * (2 * s["h"] + 3 * s["f"]) + c * s["h"] * 2 * s["f"]
+    if strategy.checkpointing in ("full", "selective"):
+        rebuilt = layer_activation_bytes(model, strategy, mode="none") - layer_activation_bytes(
+            model, strategy
+        )
+        transient += rebuilt + (2 * s["P_matmul_layer"] if strategy.precision != "fp32" else 0)
+    return transient
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def what_would_fit(
+    model: ModelConfig, strategy: Strategy, gpu: GPU
+) -> list[tuple[str, MemoryPlan]]:
+    """Single changes to `strategy` that make it fit `gpu`, cheapest first (in expected speed)."""
+    candidates: list[tuple[str, Strategy]] = []
+    if strategy.checkpointing != "selective":
+        candidates.append(
+            ("--checkpointing selective", replace(strategy, checkpointing="selective"))
+        )
+    if strategy.checkpointing != "full":
+        candidates.append(("--checkpointing full", replace(strategy, checkpointing="full")))
+    mb = strategy.micro_batch
+    while mb > 1:
+        mb //= 2
+        accum = strategy.grad_accum * math.ceil(strategy.micro_batch / mb)
+        candidates.append(
+            (
+                f"--micro-batch {mb} --grad-accum {accum}",
+                replace(strategy, micro_batch=mb, grad_accum=accum),
+            )
+        )
+    if strategy.checkpointing != "full" and strategy.micro_batch > 1:
+        candidates.append(
+            (
+                "--checkpointing full --micro-batch 1",
+                replace(
+                    strategy,
+                    checkpointing="full",
+                    micro_batch=1,
+                    grad_accum=strategy.grad_accum * strategy.micro_batch,
+                ),
+            )
+        )
+    if strategy.offload == "none":
+        candidates.append(("--offload optimizer", replace(strategy, offload="optimizer")))
+    for gpus in (2, 4, 8, 16, 32, 64):
+        if gpus > strategy.world_size:
+            candidates.append(
+                (f"--zero 3 on {gpus} GPUs", replace(strategy, zero=3, world_size=gpus))
+            )
+    found = []
+    for label, candidate in candidates:
+        try:
+            result = plan(model, candidate, gpu)
+        except ValueError:
+            continue
+        if result.fits:
+            found.append((label, result))
+    return found
