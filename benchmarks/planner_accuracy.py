@@ -25,11 +25,12 @@ from memfit.models import load_model_config
 from memfit.planner.hardware import detect_gpu
 from memfit.planner.memory import Strategy, plan
 from memfit.train.engine import Trainer
+from memfit.train.precision import autocast
 
 # (model, seq_len, micro_batch, checkpointing, precision, optimizer)
 CONFIGS = [
     ("tiny", 512, 16, "none", "fp32", "adamw"),
-    ("tiny", 2048, 8, "full", "bf16", "sgd"),
+    ("tiny", 512, 32, "full", "bf16", "sgd"),
     ("llama-1b", 512, 16, "none", "fp32", "sgd"),
     ("llama-1b", 1024, 8, "selective", "fp16", "sgd"),
     ("llama-1b", 2048, 4, "none", "bf16", "adamw"),
@@ -92,7 +93,16 @@ def measure(
             for _ in range(steps - 1):
                 trainer.train_step()
             torch.cuda.synchronize()
-            return {"peak_bytes": torch.cuda.max_memory_allocated(), "oom": False}
+            peak = torch.cuda.max_memory_allocated()
+            # what one forward leaves alive for backward (activations, loss buffers, weight copies)
+            inputs, targets = (t.cuda() for t in next(trainer.batches))
+            before = torch.cuda.memory_allocated()
+            with autocast(trainer.precision, trainer.device):
+                loss = trainer.model(inputs, targets)
+            forward_kept = torch.cuda.memory_allocated() - before
+            loss.backward()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return {"peak_bytes": peak, "oom": False, "forward_kept_bytes": forward_kept}
         except torch.OutOfMemoryError:
             return {"peak_bytes": None, "oom": True}
         finally:
@@ -133,6 +143,8 @@ def main() -> None:
             "predicted_fits": predicted.fits,
             "measured_peak_bytes": measured["peak_bytes"],
             "measured_oom": measured["oom"],
+            "predicted_forward_kept_bytes": predicted.forward_kept_bytes,
+            "measured_forward_kept_bytes": measured.get("forward_kept_bytes"),
             "error": error,
         }
         records.append(record)
@@ -143,6 +155,8 @@ def main() -> None:
                 "OOM"
                 if measured["oom"]
                 else f"{measured['peak_bytes'] / 2**30:7.2f} GiB  error {error:+.1%}"
+                f"  forward kept: predicted {predicted.forward_kept_bytes / 2**30:.3f}"
+                f" measured {measured['forward_kept_bytes'] / 2**30:.3f} GiB"
             ),
             flush=True,
         )

@@ -124,6 +124,9 @@ class MemoryPlan:
     """Peak allocated bytes in each phase: forward, backward, optimizer."""
     peak_bytes: int
     """Predicted torch.cuda.max_memory_allocated()."""
+    forward_kept_bytes: int = 0
+    """What one micro-batch's forward leaves alive for backward: activations, the loss's saved
+    gradients and (without checkpointing) the compute-dtype weight copies."""
     capacity_bytes: int | None = None
     gpu: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -292,6 +295,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         strategy=strategy,
         breakdown=breakdown,
         phases=phases,
+        forward_kept_bytes=int(activations + ce_saved + kept_copies),
         peak_bytes=int(peak),
         capacity_bytes=gpu.memory_bytes if gpu is not None else None,
         gpu=gpu.name if gpu is not None else None,
