@@ -78,6 +78,11 @@ def attention(
         out = _eager_attention(q, k, v, mask, causal)
     else:
         gqa = {"enable_gqa": True} if heads_kv != heads_q else {}
+        if gqa and q.is_cuda and q.dtype == torch.float32:
+            # No fused CUDA kernel takes fp32 with enable_gqa: SDPA would fall back to its math
+            # path, which keeps the (T, T) probabilities. Repeat k and v and stay fused instead.
+            group = heads_q // heads_kv
+            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
         is_causal = mask is None and causal and seqlen_q > 1
         if is_causal and seqlen_q != seqlen_k:  # SDPA aligns is_causal top-left
             mask = _mask(seqlen_q, seqlen_k, True, None, q.device, force=True)

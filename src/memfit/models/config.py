@@ -123,7 +123,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=16,
         num_kv_heads=16,
         intermediate_size=5632,
-        max_seq_len=2048,
+        max_seq_len=8192,
     ),
     "llama-2-7b": ModelConfig(
         name="llama-2-7b",

@@ -189,6 +189,9 @@ def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | N
     if mode == "selective" and strategy.attention != "eager":
         return c * T * (s["h"] + s["q"]) + 4 * T * s["H"]
     total = c * T * (4 * s["h"] + 2 * s["q"] + 2 * s["kv"] + 3 * s["f"]) + 4 * T * (2 + s["H"])
+    if s["q"] != s["kv"] and strategy.precision == "fp32" and strategy.attention != "eager":
+        # grouped k and v are repeated per query head before the fused fp32 kernel (functional.py)
+        total += 2 * c * T * (s["q"] - s["kv"])
     if strategy.attention == "eager":
         # fp32 scores -> probabilities (kept by softmax) and their compute-dtype copy (kept by the
         # second matmul); k and v repeated per query head when grouped
@@ -276,7 +279,9 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         activations=outside,
         temporaries=transient,
     )
-    optimizer_step = phase(grads=grads)
+    # torch's foreach SGD adds weight decay out of place: one gradient-sized temporary
+    sgd_decay = grads if strategy.optimizer == "sgd" and strategy.offload == "none" else 0
+    optimizer_step = phase(grads=grads, temporaries=sgd_decay)
     candidates = {
         "forward": forward,
         "backward": max(backward_first, backward_last, key=lambda b: sum(b.values())),
