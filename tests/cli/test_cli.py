@@ -85,3 +85,31 @@ def test_resume_continues_the_run(tmp_path):
 def test_bad_input_exits_with_a_clear_message(args, message, capsys):
     assert main(args) == 2
     assert message in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_plan_prints_a_breakdown_and_json(capsys):
+    assert main(["plan", "--model", "llama-1b", "--micro-batch", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] and set(result["breakdown"]) >= {
+        "params",
+        "grads",
+        "optimizer_states",
+        "activations",
+    }
+    assert result["peak_bytes"] == sum(result["breakdown"].values())
+    assert main(["plan", "--model", "llama-1b", "--micro-batch", "4"]) == 0
+    assert "peak allocated" in capsys.readouterr().out
+
+
+def test_plan_that_does_not_fit_says_what_would(capsys):
+    assert (
+        main(["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "--checkpointing", "full"])
+        == 1
+    )
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "does not fit" in out and "--offload optimizer" in out
+
+
+def test_plan_unknown_gpu_lists_the_catalog(capsys):
+    assert main(["plan", "--gpu", "h100"]) == 2
+    assert "h100-sxm" in capsys.readouterr().err

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _train_parser(sub)
     _generate_parser(sub)
+    from memfit.cli.plan import add_plan_parser
+
+    add_plan_parser(sub, _cmd_plan)
     return parser
 
 
@@ -135,6 +138,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             flags.setdefault(section, {})[key] = value
     config = build_config(args.config, flags, args.sets)
     return run_train(config, console)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from memfit.cli.plan import run_plan
+
+    return run_plan(args, console)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
