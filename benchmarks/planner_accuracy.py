@@ -137,7 +137,7 @@ def main() -> None:
             error = predicted.peak_bytes / measured["peak_bytes"] - 1
         record = {
             "model": model,
-            "strategy": strategy.describe() + f", {optimizer}",
+            "strategy": strategy.describe() + ("" if optimizer != "adamw" else ", adamw"),
             "predicted_peak_bytes": predicted.peak_bytes,
             "predicted_phases": predicted.phases,
             "predicted_fits": predicted.fits,

@@ -56,7 +56,31 @@ def train_step_table(run: dict) -> str:
     return "\n".join(lines)
 
 
-TABLES = {"train_step": train_step_table}
+def planner_accuracy_table(run: dict) -> str:
+    env = run["env"]
+    lines = [
+        f"Measured {env['date'][:10]} on {env.get('gpu', '?')}, torch {env['torch']}, triton {env.get('triton', '-')}, "
+        f"commit {env['commit']}; peak = max_memory_allocated over steps 2..{run['steps']}.",
+        "",
+        "| model | strategy | predicted peak (GiB) | measured peak (GiB) | error | predicted fits / ran out of memory |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in run["records"]:
+        parts = r["strategy"].split(", ")
+        r = {
+            **r,
+            "strategy": ", ".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]),
+        }
+        measured = "OOM" if r["measured_oom"] else f"{r['measured_peak_bytes'] / 2**30:.2f}"
+        error = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        lines.append(
+            f"| {r['model']} | {r['strategy']} | {r['predicted_peak_bytes'] / 2**30:.2f} | {measured} | {error} | "
+            f"{'yes' if r['predicted_fits'] else 'no'} / {'yes' if r['measured_oom'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+TABLES = {"train_step": train_step_table, "planner_accuracy": planner_accuracy_table}
 
 
 def main() -> None:
