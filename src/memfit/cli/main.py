@@ -21,6 +21,29 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         description="Train a Llama-family model on one device. Every flag is also settable as "
         "--set section.key=value and from --config file.toml (flags override the file, --set overrides both).",
     )
+    _add_run_flags(p)
+    p.set_defaults(handler=_cmd_train)
+
+
+def _profile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="measure the memory of real training steps, beside the plan",
+        description="Run a few training steps of the configuration (same flags as train) on the present "
+        "device, measure memory by category and phase, print it beside memfit's plan, and on CUDA write a "
+        "memory-over-time plot of one step.",
+    )
+    _add_run_flags(p)
+    p.add_argument(
+        "--profile-steps", type=int, default=3, help="measured steps (after one warm-up step)"
+    )
+    p.add_argument(
+        "--png", help="where to write the timeline plot (default RUN_DIR/memory_timeline.png)"
+    )
+    p.set_defaults(handler=_cmd_profile)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         metavar="FILE.toml",
@@ -64,7 +87,6 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out")
-    p.set_defaults(handler=_cmd_train)
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -96,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _train_parser(sub)
+    _profile_parser(sub)
     _generate_parser(sub)
     from memfit.cli.plan import add_plan_parser
 
@@ -127,8 +150,7 @@ _TRAIN_FLAGS = {
 }
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from memfit.cli.train import run_train
+def _run_config(args: argparse.Namespace):
     from memfit.config import build_config
 
     flags: dict[str, dict] = {}
@@ -136,8 +158,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, attr)
         if value is not None:
             flags.setdefault(section, {})[key] = value
-    config = build_config(args.config, flags, args.sets)
-    return run_train(config, console)
+    return build_config(args.config, flags, args.sets)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from memfit.cli.train import run_train
+
+    return run_train(_run_config(args), console)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from memfit.cli.profile import run_profile
+    from memfit.planner import Strategy, detect_gpu, plan
+
+    def plan_fn(trainer):
+        train = trainer.config.train
+        strategy = Strategy(
+            precision=trainer.precision,
+            micro_batch=train.micro_batch,
+            seq_len=trainer.config.data.seq_len,
+            grad_accum=train.grad_accum,
+            checkpointing=train.checkpointing,
+            optimizer=train.optimizer,
+        )
+        return plan(trainer.model_config, strategy, detect_gpu())
+
+    return run_profile(
+        _run_config(args), console, steps=args.profile_steps, plan_fn=plan_fn, png=args.png
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 _ALLOCATED_DELTA = {"alloc": 1, "free_completed": -1}
-_RESERVED_DELTA = {"segment_alloc": 1, "segment_free": -1}
+# segment_map / segment_unmap: the same with expandable segments (PYTORCH_CUDA_ALLOC_CONF)
+_RESERVED_DELTA = {"segment_alloc": 1, "segment_free": -1, "segment_map": 1, "segment_unmap": -1}
 # Colors of the phase spans in the plot.
 _PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
 
@@ -193,7 +194,12 @@ def plot_timeline(
     if reserved:
         xs, ys = zip(*reserved, strict=True)
         axes.step(
-            xs, [y / gib for y in ys], where="post", color="tab:gray", linestyle="--", label="reserved"
+            xs,
+            [y / gib for y in ys],
+            where="post",
+            color="tab:gray",
+            linestyle="--",
+            label="reserved",
         )
     if points:
         xs, ys = zip(*points, strict=True)
