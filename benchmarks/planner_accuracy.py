@@ -31,7 +31,9 @@ from memfit.train.precision import autocast
 CONFIGS = [
     ("tiny", 512, 16, "none", "fp32", "adamw"),
     ("tiny", 512, 32, "full", "bf16", "sgd"),
+    ("tiny", 256, 8, "selective", "fp16", "sgd"),
     ("llama-1b", 512, 16, "none", "fp32", "sgd"),
+    ("llama-1b", 2048, 2, "full", "fp32", "adamw"),
     ("llama-1b", 1024, 8, "selective", "fp16", "sgd"),
     ("llama-1b", 2048, 4, "none", "bf16", "adamw"),
     ("llama-1b", 2048, 8, "full", "bf16", "adamw"),

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from memfit.cli.main import main
 
@@ -113,3 +114,17 @@ def test_plan_that_does_not_fit_says_what_would(capsys):
 def test_plan_unknown_gpu_lists_the_catalog(capsys):
     assert main(["plan", "--gpu", "h100"]) == 2
     assert "h100-sxm" in capsys.readouterr().err
+
+
+def test_plan_recommend(capsys):
+    assert main(["plan", "--model", "llama-1b", "--gpu", "a100-80gb", "--recommend", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found and found[0]["fits"] and found[0]["tokens_per_s"] >= found[-1]["tokens_per_s"]
+    assert main(["plan", "--model", "llama-2-7b", "--gpu", "a10g", "--recommend"]) == 1
+    assert "fits" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU --auto has a GPU to plan for")
+def test_train_auto_without_a_known_gpu_says_so(capsys):
+    assert main(["train", "--auto", "--steps", "1", "--device", "cpu"]) == 2
+    assert "--auto plans for the present GPU" in capsys.readouterr().err

@@ -97,7 +97,12 @@ def test_compiled_blocks_match_eager(tmp_path, checkpointing):
                 flags={
                     "model": {"compile": compile},
                     "data": {"seq_len": 256},
-                    "train": {"steps": 6, "device": "cuda", "checkpointing": checkpointing, "precision": "bf16"},
+                    "train": {
+                        "steps": 6,
+                        "device": "cuda",
+                        "checkpointing": checkpointing,
+                        "precision": "bf16",
+                    },
                     "checkpoint": {"out": str(tmp_path / compile)},
                 }
             )

@@ -22,6 +22,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         "--set section.key=value and from --config file.toml (flags override the file, --set overrides both).",
     )
     _add_run_flags(p)
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="let the planner pick micro-batch, accumulation and checkpointing for the present GPU",
+    )
     p.set_defaults(handler=_cmd_train)
 
 
@@ -164,7 +169,7 @@ def _run_config(args: argparse.Namespace):
 def _cmd_train(args: argparse.Namespace) -> int:
     from memfit.cli.train import run_train
 
-    return run_train(_run_config(args), console)
+    return run_train(_run_config(args), console, auto=args.auto)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

@@ -9,11 +9,68 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.models.config import format_params, load_model_config
-from memfit.planner import CATEGORIES, Strategy, get_gpu, plan, what_would_fit
+from memfit.planner import CATEGORIES, Strategy, get_gpu, plan, recommend, what_would_fit
 from memfit.planner.memory import gib
 
 
+def run_recommend(args: argparse.Namespace, console: Console) -> int:
+    model = load_model_config(args.model)
+    gpu = get_gpu(args.gpu)
+    found = recommend(model, gpu, seq_len=args.seq_len, gpus=args.gpus, optimizer=args.optimizer)
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        **r.plan.to_json(),
+                        "tokens_per_s": r.time.tokens_per_s,
+                        "step_s": r.time.total_s,
+                    }
+                    for r in found
+                ]
+            )
+        )
+        return 0 if found else 1
+    if not found:
+        console.print(
+            f"[red]no single-GPU strategy of {model.name} at seq {args.seq_len} fits {gpu.name}[/]"
+        )
+        strategy = Strategy(
+            seq_len=args.seq_len, micro_batch=1, checkpointing="full", optimizer=args.optimizer
+        )
+        for label, fixed in what_would_fit(model, strategy, gpu)[:5]:
+            console.print(
+                f"  with full checkpointing and {label}: peak {gib(fixed.peak_bytes)}",
+                highlight=False,
+            )
+        return 1
+    table = Table(
+        title=f"memfit plan --recommend: {model.name} on {gpu.name}, seq {args.seq_len}, fastest first"
+    )
+    for column in (
+        "strategy",
+        "peak allocated",
+        "tokens/s (predicted)",
+        "MFU (predicted)",
+        "step (s)",
+    ):
+        table.add_column(column)
+    for r in found[:5]:
+        mfu = r.time.tokens_per_s * model.flops_per_token(args.seq_len) / gpu.bf16_flops
+        table.add_row(
+            r.strategy.describe(),
+            gib(r.plan.peak_bytes),
+            f"{r.time.tokens_per_s:,.0f}",
+            f"{mfu:.0%}",
+            f"{r.time.total_s:.2f}",
+        )
+    console.print(table)
+    return 0
+
+
 def run_plan(args: argparse.Namespace, console: Console) -> int:
+    if args.recommend:
+        return run_recommend(args, console)
     model = load_model_config(args.model)
     gpu = get_gpu(args.gpu)
     strategy = Strategy(
@@ -101,4 +158,9 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--recommend",
+        action="store_true",
+        help="list the fastest strategies that fit (micro-batch, accumulation, checkpointing)",
+    )
     p.set_defaults(handler=handler)

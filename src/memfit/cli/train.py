@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from rich.console import Console
@@ -17,7 +18,48 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def run_train(config: Config, console: Console) -> int:
+def choose_strategy(config: Config, console: Console) -> Config:
+    """--auto: the planner's fastest strategy that fits the present GPU, keeping the tokens per
+    optimizer step of the configuration (micro-batch x accumulation x sequence)."""
+    from memfit.models.config import load_model_config
+    from memfit.planner import detect_gpu, recommend
+
+    gpu = detect_gpu()
+    if gpu is None:
+        raise ValueError(
+            "--auto plans for the present GPU, and none of the planner's catalog is present; "
+            "set --micro-batch / --checkpointing yourself, or see `memfit plan --recommend --gpu NAME`"
+        )
+    train = config.train
+    model = load_model_config(config.model.name)
+    tokens_per_step = train.micro_batch * train.grad_accum * config.data.seq_len
+    found = recommend(
+        model,
+        gpu,
+        seq_len=config.data.seq_len,
+        tokens_per_step=tokens_per_step,
+        optimizer=train.optimizer,
+    )
+    if not found:
+        raise ValueError(
+            f"--auto: no single-GPU strategy of {model.name} at seq {config.data.seq_len} fits "
+            f"{gpu.name}; `memfit plan --model {config.model.name} --recommend` says what would"
+        )
+    best = found[0]
+    console.print(f"[bold]--auto[/]: {best.strategy.describe()} — {best.why()}", highlight=False)
+    chosen = dataclasses.replace(
+        train,
+        micro_batch=best.strategy.micro_batch,
+        grad_accum=best.strategy.grad_accum,
+        checkpointing=best.strategy.checkpointing,
+        precision=best.strategy.precision,
+    )
+    return dataclasses.replace(config, train=chosen)
+
+
+def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
+    if auto:
+        config = choose_strategy(config, console)
     trainer = Trainer(config)
     mc = trainer.model_config
     console.print(

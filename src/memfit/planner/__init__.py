@@ -1,17 +1,23 @@
-"""Know before you run: the hardware catalog, the memory model and (soon) the time model and
-strategy search."""
+"""Know before you run: the hardware catalog, the memory model, the time model and the strategy
+search."""
 
 from memfit.planner.hardware import GPU, GPUS, detect_gpu, get_gpu
 from memfit.planner.memory import CATEGORIES, MemoryPlan, Strategy, plan, what_would_fit
+from memfit.planner.search import Recommendation, recommend
+from memfit.planner.time import StepTime, step_time
 
 __all__ = [
     "CATEGORIES",
     "GPU",
     "GPUS",
     "MemoryPlan",
+    "Recommendation",
+    "StepTime",
     "Strategy",
     "detect_gpu",
     "get_gpu",
     "plan",
+    "recommend",
+    "step_time",
     "what_would_fit",
 ]

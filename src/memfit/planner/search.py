@@ -1,0 +1,76 @@
+"""Strategy search: enumerate the strategies the engine can run, keep those that fit the GPU with
+a safety margin, rank them by predicted tokens/s.
+
+Enumerated: precision (bf16; fp16 where the GPU lacks bf16 is not in the catalog), activation
+checkpointing none / selective / full, micro-batch 1, 2, 4, ... 64, with gradient accumulation
+so that a step holds about `tokens_per_step` tokens. Single-GPU strategies only: the engine has no
+ZeRO sharding yet (DESIGN.md, issue 5), so `gpus > 1` is refused rather than planned blindly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.models.config import ModelConfig
+from memfit.planner.hardware import GPU
+from memfit.planner.memory import MemoryPlan, Strategy, plan
+from memfit.planner.time import StepTime, step_time
+
+SAFETY_MARGIN = 0.05
+"""Fraction of the GPU's memory left unplanned on top of MemoryPlan.required_bytes."""
+
+
+@dataclass
+class Recommendation:
+    strategy: Strategy
+    plan: MemoryPlan
+    time: StepTime
+
+    def why(self) -> str:
+        return (
+            f"fastest predicted of the strategies that fit: {self.time.tokens_per_s:,.0f} tokens/s, "
+            f"peak {self.plan.peak_bytes / 2**30:.1f} GiB of {self.plan.capacity_bytes / 2**30:.1f} GiB"
+        )
+
+
+def recommend(
+    model: ModelConfig,
+    gpu: GPU,
+    *,
+    seq_len: int = 2048,
+    gpus: int = 1,
+    tokens_per_step: int = 2**19,
+    optimizer: str = "adamw",
+    limit: int = 10,
+) -> list[Recommendation]:
+    """Strategies that fit `gpu` with the safety margin, fastest first (at most `limit`)."""
+    if gpus != 1:
+        raise ValueError(
+            f"--gpus {gpus}: memfit's engine trains on one GPU until ZeRO sharding lands; "
+            "recommendations for several GPUs come with it"
+        )
+    if seq_len > model.max_seq_len:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds model {model.name!r}'s max_seq_len={model.max_seq_len}"
+        )
+    budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
+    found = []
+    for checkpointing in ("none", "selective", "full"):
+        micro_batch = 1
+        while micro_batch <= 64:
+            grad_accum = max(1, tokens_per_step // (micro_batch * seq_len))
+            strategy = Strategy(
+                precision="bf16",
+                micro_batch=micro_batch,
+                seq_len=seq_len,
+                grad_accum=grad_accum,
+                checkpointing=checkpointing,
+                optimizer=optimizer,
+            )
+            memory = plan(model, strategy, gpu)
+            if memory.required_bytes > budget:
+                break  # larger micro-batches need more still
+            found.append(Recommendation(strategy, memory, step_time(model, strategy, gpu)))
+            micro_batch *= 2
+    found.sort(key=lambda r: r.time.tokens_per_s, reverse=True)
+    return found[:limit]

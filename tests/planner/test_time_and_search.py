@@ -1,0 +1,57 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from memfit.models import PRESETS
+from memfit.planner import GPUS, Strategy, recommend, step_time
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "train_step.json"
+
+
+def measured_train_steps():
+    run = json.loads(RESULTS.read_text())[-1]
+    return [r for r in run["records"] if r["system"] == "memfit"]
+
+
+@pytest.mark.parametrize(
+    "record", measured_train_steps(), ids=lambda r: f"{r['checkpointing']}-mb{r['micro_batch']}"
+)
+def test_time_model_matches_the_measured_h100_steps(record):
+    """The efficiencies were fitted to these H100 runs (BENCHMARKS.md); the recompute term was not."""
+    strategy = Strategy(
+        micro_batch=record["micro_batch"],
+        seq_len=record["seq_len"],
+        checkpointing=record["checkpointing"],
+    )
+    predicted = step_time(PRESETS["llama-1b"], strategy, GPUS["h100-sxm"]).tokens_per_s
+    assert predicted == pytest.approx(record["tokens_per_s"], rel=0.05)
+
+
+def test_checkpointing_and_small_batches_cost_time():
+    model, gpu = PRESETS["llama-1b"], GPUS["h100-sxm"]
+    none = step_time(model, Strategy(micro_batch=4), gpu).tokens_per_s
+    selective = step_time(
+        model, Strategy(micro_batch=4, checkpointing="selective"), gpu
+    ).tokens_per_s
+    full = step_time(model, Strategy(micro_batch=4, checkpointing="full"), gpu).tokens_per_s
+    assert none > selective > full
+    assert step_time(model, Strategy(micro_batch=1), gpu).tokens_per_s < none
+    assert step_time(model, Strategy(micro_batch=4, precision="fp32"), gpu).tokens_per_s < none / 5
+
+
+def test_recommend_ranks_fitting_strategies_fastest_first():
+    found = recommend(PRESETS["llama-1b"], GPUS["h100-sxm"], seq_len=2048)
+    assert found and all(r.plan.fits for r in found)
+    speeds = [r.time.tokens_per_s for r in found]
+    assert speeds == sorted(speeds, reverse=True)
+    assert found[0].strategy.checkpointing == "none"
+    # a 24 GB card needs checkpointing or small micro-batches for the same model
+    small = recommend(PRESETS["llama-1b"], GPUS["rtx4090"], seq_len=2048)
+    assert all(r.plan.required_bytes <= GPUS["rtx4090"].memory_bytes for r in small)
+
+
+def test_recommend_refuses_what_the_engine_cannot_run():
+    assert recommend(PRESETS["llama-2-7b"], GPUS["h100-sxm"]) == []
+    with pytest.raises(ValueError, match="ZeRO"):
+        recommend(PRESETS["llama-1b"], GPUS["h100-sxm"], gpus=4)
