@@ -54,7 +54,10 @@ def measurement_table(
             cells += [format_bytes(planned), format_error(planned, measured)]
         table.add_row(*cells, **style)
 
-    planned_breakdown = plan.breakdown if plan is not None else {}
+    # compare like with like: each category at its own peak over the phases, when the plan says
+    planned_breakdown = (
+        (getattr(plan, "category_peaks", None) or plan.breakdown) if plan is not None else {}
+    )
     for category in CATEGORIES:
         row(category, measurement.breakdown[category], planned_breakdown.get(category))
     row(

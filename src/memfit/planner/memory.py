@@ -124,6 +124,9 @@ class MemoryPlan:
     """Peak allocated bytes in each phase: forward, backward, optimizer."""
     peak_bytes: int
     """Predicted torch.cuda.max_memory_allocated()."""
+    category_peaks: dict[str, int] = field(default_factory=dict)
+    """Each category's largest value over the phases (what `memfit profile` measures per category;
+    their sum exceeds the peak, since categories peak in different phases)."""
     forward_kept_bytes: int = 0
     """What one micro-batch's forward leaves alive for backward: activations, the loss's saved
     gradients and (without checkpointing) the compute-dtype weight copies."""
@@ -287,6 +290,10 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         "backward": max(backward_first, backward_last, key=lambda b: sum(b.values())),
         "optimizer": optimizer_step,
     }
+    category_peaks = {
+        key: max(parts[key] for parts in (forward, backward_first, backward_last, optimizer_step))
+        for key in CATEGORIES
+    }
     phases = {name: sum(parts.values()) for name, parts in candidates.items()}
     peak_phase = max(phases, key=phases.get)
     breakdown = candidates[peak_phase]
@@ -300,6 +307,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         strategy=strategy,
         breakdown=breakdown,
         phases=phases,
+        category_peaks=category_peaks,
         forward_kept_bytes=int(activations + ce_saved + kept_copies),
         peak_bytes=int(peak),
         capacity_bytes=gpu.memory_bytes if gpu is not None else None,
