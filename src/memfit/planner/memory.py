@@ -62,8 +62,10 @@ CATEGORIES = (
 # the caching allocator's unused blocks: the budget the planner keeps free on every GPU.
 CUDA_CONTEXT_BYTES = 600 * 2**20
 FRAGMENTATION = 0.05
-# cuBLAS / cuBLASLt workspaces come from the caching allocator (PyTorch >= 1.11).
-CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+# cuBLAS workspaces come from the caching allocator (PyTorch >= 1.11), 32 MiB per handle on
+# Hopper, and a handle is per thread: the forward's and the autograd engine's backward thread each
+# hold one for the rest of the process (seen in allocator traces on an H100).
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
 # memfit's linear cross-entropy sizes a chunk of fp32 logits to this many bytes (ops/cross_entropy.py).
 CE_CHUNK_BYTES = 512 * 2**20
 
@@ -317,14 +319,16 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
 
 
 def _layer_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
-    """The largest memory a block's backward needs on top of what is already counted: the
-    gradient flowing in and out (2 x Th), the MLP's intermediate gradients (d gate_up 2Tf and
-    d swiglu-out Tf), and one weight gradient in the compute dtype before it is accumulated into
-    fp32. A checkpointed block first rebuilds its own activations and weight copies."""
+    """The largest memory a block's backward needs on top of what is already counted. It peaks in
+    the SwiGLU backward: the gradient flowing in (Th), d swiglu-out (Tf) and d gate_up (2Tf) are
+    alive while the SwiGLU output (Tf, counted in the activations) has been freed by the down
+    projection's backward: c*T*(h + 2f), plus one weight gradient in the compute dtype before it is
+    accumulated into fp32 (allocator traces of an H100 step). A checkpointed block first rebuilds
+    its own activations and weight copies."""
     s = _sizes(model)
     c = 4 if strategy.precision == "fp32" else 2
     T = strategy.micro_batch * strategy.seq_len
-    transient = c * T * (2 * s["h"] + 3 * s["f"]) + c * s["h"] * 2 * s["f"]
+    transient = c * T * (s["h"] + 2 * s["f"]) + c * s["h"] * 2 * s["f"]
     if strategy.checkpointing in ("full", "selective"):
         rebuilt = layer_activation_bytes(model, strategy, mode="none") - layer_activation_bytes(
             model, strategy
