@@ -1,3 +1,31 @@
 """memfit: train and serve transformer language models in the GPU memory you have."""
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
+
+
+def plan(model, strategy=None, gpu=None, **strategy_options):
+    """Predicted per-GPU memory of training `model` (a preset name, a HF config.json path or a
+    ModelConfig) with `strategy` (a `memfit.planner.Strategy`, or its fields as keywords) on `gpu`
+    (a catalog name such as "h100-sxm", a `GPU`, or None for no capacity check).
+    Returns a `MemoryPlan` with `.peak_bytes`, `.breakdown`, `.phases` and `.fits`."""
+    from memfit.models.config import ModelConfig, load_model_config
+    from memfit.planner import Strategy, get_gpu
+    from memfit.planner import plan as _plan
+
+    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    strategy = strategy or Strategy(**strategy_options)
+    gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    return _plan(model, strategy, gpu)
+
+
+def recommend(model, gpu="h100-sxm", **options):
+    """Strategies (`memfit.planner.Strategy`) that fit `gpu`, fastest predicted first; options as
+    for `memfit.planner.rank_strategies` (seq_len, tokens_per_step, optimizer, limit)."""
+    from memfit.models.config import ModelConfig, load_model_config
+    from memfit.planner import get_gpu
+    from memfit.planner import recommend as _recommend
+
+    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    return _recommend(model, get_gpu(gpu) if isinstance(gpu, str) else gpu, **options)

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from memfit.models import PRESETS
-from memfit.planner import GPUS, Strategy, recommend, step_time
+from memfit.planner import GPUS, Strategy, rank_strategies, step_time
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "train_step.json"
 
@@ -41,17 +41,26 @@ def test_checkpointing_and_small_batches_cost_time():
 
 
 def test_recommend_ranks_fitting_strategies_fastest_first():
-    found = recommend(PRESETS["llama-1b"], GPUS["h100-sxm"], seq_len=2048)
+    found = rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], seq_len=2048)
     assert found and all(r.plan.fits for r in found)
     speeds = [r.time.tokens_per_s for r in found]
     assert speeds == sorted(speeds, reverse=True)
     assert found[0].strategy.checkpointing == "none"
     # a 24 GB card needs checkpointing or small micro-batches for the same model
-    small = recommend(PRESETS["llama-1b"], GPUS["rtx4090"], seq_len=2048)
+    small = rank_strategies(PRESETS["llama-1b"], GPUS["rtx4090"], seq_len=2048)
     assert all(r.plan.required_bytes <= GPUS["rtx4090"].memory_bytes for r in small)
 
 
 def test_recommend_refuses_what_the_engine_cannot_run():
-    assert recommend(PRESETS["llama-2-7b"], GPUS["h100-sxm"]) == []
+    assert rank_strategies(PRESETS["llama-2-7b"], GPUS["h100-sxm"]) == []
     with pytest.raises(ValueError, match="ZeRO"):
-        recommend(PRESETS["llama-1b"], GPUS["h100-sxm"], gpus=4)
+        rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], gpus=4)
+
+
+def test_package_level_contract():
+    import memfit
+
+    result = memfit.plan("llama-1b", gpu="h100-sxm", micro_batch=4, seq_len=2048)
+    assert result.fits and result.peak_bytes == sum(result.breakdown.values())
+    strategies = memfit.recommend("llama-1b", "h100-sxm", seq_len=2048)
+    assert strategies and isinstance(strategies[0], Strategy)

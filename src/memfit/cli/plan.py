@@ -9,14 +9,16 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.models.config import format_params, load_model_config
-from memfit.planner import CATEGORIES, Strategy, get_gpu, plan, recommend, what_would_fit
+from memfit.planner import CATEGORIES, Strategy, get_gpu, plan, rank_strategies, what_would_fit
 from memfit.planner.memory import gib
 
 
-def run_recommend(args: argparse.Namespace, console: Console) -> int:
+def run_rank_strategies(args: argparse.Namespace, console: Console) -> int:
     model = load_model_config(args.model)
     gpu = get_gpu(args.gpu)
-    found = recommend(model, gpu, seq_len=args.seq_len, gpus=args.gpus, optimizer=args.optimizer)
+    found = rank_strategies(
+        model, gpu, seq_len=args.seq_len, gpus=args.gpus, optimizer=args.optimizer
+    )
     if args.json:
         print(
             json.dumps(
@@ -70,7 +72,7 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.recommend:
-        return run_recommend(args, console)
+        return run_rank_strategies(args, console)
     model = load_model_config(args.model)
     gpu = get_gpu(args.gpu)
     strategy = Strategy(

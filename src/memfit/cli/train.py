@@ -22,7 +22,7 @@ def choose_strategy(config: Config, console: Console) -> Config:
     """--auto: the planner's fastest strategy that fits the present GPU, keeping the tokens per
     optimizer step of the configuration (micro-batch x accumulation x sequence)."""
     from memfit.models.config import load_model_config
-    from memfit.planner import detect_gpu, recommend
+    from memfit.planner import detect_gpu, rank_strategies
 
     gpu = detect_gpu()
     if gpu is None:
@@ -33,7 +33,7 @@ def choose_strategy(config: Config, console: Console) -> Config:
     train = config.train
     model = load_model_config(config.model.name)
     tokens_per_step = train.micro_batch * train.grad_accum * config.data.seq_len
-    found = recommend(
+    found = rank_strategies(
         model,
         gpu,
         seq_len=config.data.seq_len,

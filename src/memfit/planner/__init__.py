@@ -3,7 +3,7 @@ search."""
 
 from memfit.planner.hardware import GPU, GPUS, detect_gpu, get_gpu
 from memfit.planner.memory import CATEGORIES, MemoryPlan, Strategy, plan, what_would_fit
-from memfit.planner.search import Recommendation, recommend
+from memfit.planner.search import Recommendation, rank_strategies, recommend
 from memfit.planner.time import StepTime, step_time
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "detect_gpu",
     "get_gpu",
     "plan",
+    "rank_strategies",
     "recommend",
     "step_time",
     "what_would_fit",

@@ -33,7 +33,7 @@ class Recommendation:
         )
 
 
-def recommend(
+def rank_strategies(
     model: ModelConfig,
     gpu: GPU,
     *,
@@ -74,3 +74,8 @@ def recommend(
             micro_batch *= 2
     found.sort(key=lambda r: r.time.tokens_per_s, reverse=True)
     return found[:limit]
+
+
+def recommend(model: ModelConfig, gpu: GPU, **options) -> list[Strategy]:
+    """The strategies of `rank_strategies`, fastest first (DESIGN.md's `memfit.recommend`)."""
+    return [r.strategy for r in rank_strategies(model, gpu, **options)]
