@@ -30,7 +30,7 @@ from rich.table import Table
 
 from memfit.config import Config, build_config
 from memfit.models import PRESETS
-from memfit.train.engine import Trainer
+from memfit.train.engine import Trainer, compiles_blocks
 
 H100_BF16_FLOPS = 989e12
 SEQ_LEN = 2048
@@ -153,10 +153,8 @@ def main() -> None:
     for checkpointing in args.checkpointing:
         for micro_batch in args.micro_batches:
             for system, compile in systems:
-                auto = (
-                    "on" if checkpointing == "none" else "off"
-                )  # what --compile auto picks on CUDA
-                if system != "memfit" and compile == auto:
+                auto = compiles_blocks("auto", torch.device("cuda"), checkpointing)
+                if system != "memfit" and compile == ("on" if auto else "off"):
                     continue  # the same configuration as the "memfit" row
                 if system == "hf":
                     result = bench_hf(

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
 _cpu_requested = False
 
 
@@ -76,3 +79,19 @@ def rows_view(tensor: torch.Tensor) -> torch.Tensor:
 def promoted_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for 16-bit inputs, fp64 for fp64 inputs (so that gradcheck works)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def round_to_bf16(x):
+        """fp32 -> bf16, rounded to nearest even by integer arithmetic. Used only under the
+        interpreter, whose fp32 -> bf16 cast truncates; compiled kernels use .to(tl.bfloat16)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+else:  # the kernels that call it are never launched without triton
+
+    def round_to_bf16(x):
+        raise RuntimeError("round_to_bf16 needs triton")

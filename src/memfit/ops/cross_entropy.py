@@ -78,7 +78,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, use_triton_on
+from memfit.ops._triton import launch, round_to_bf16, use_triton_on
 
 try:
     import triton
@@ -103,15 +103,6 @@ _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # fastest of 1024-8192 columns on an H100 (3.5 TB/s effective at (4096, 32000): pass 2 reads
 # partly from L2).
 _BLOCK_VOCAB = 8192
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> bf16, rounded to nearest even by integer arithmetic. Used only under the
-    interpreter, whose fp32 -> bf16 cast truncates; compiled kernels use .to(tl.bfloat16)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits += 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -179,7 +170,7 @@ def _cross_entropy_rows_kernel(
             grad = tl.exp(logits - row_max) / sum_exp
             grad = tl.where(columns == target, grad - 1.0, grad)
             if ROUND_BF16_BY_HAND:
-                grad = _round_to_bf16(grad)
+                grad = round_to_bf16(grad)
             tl.store(grad_ptr + columns, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 

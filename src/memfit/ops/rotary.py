@@ -53,7 +53,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, promoted_dtype, use_triton_on
+from memfit.ops._triton import launch, promoted_dtype, round_to_bf16, use_triton_on
 
 try:
     import triton
@@ -77,15 +77,6 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 # Elements of each half of head_dim that one program rotates (BLOCK_TOKENS * BLOCK_HEADS *
 # BLOCK_HALF): 8 KiB of bf16 reads per program, the fastest of 1024-8192 on an H100.
 _ROTARY_BLOCK_ELEMENTS = 2048
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> bf16, rounded to nearest even by integer arithmetic. Used only under the
-    interpreter, whose fp32 -> bf16 cast truncates; compiled kernels use .to(tl.bfloat16)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits += 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -175,7 +166,7 @@ def _rotary_kernel(
         out1 = x1 * cos1 - x2 * sin1
         out2 = x2 * cos2 + x1 * sin2
     if ROUND_BF16_BY_HAND:
-        out1, out2 = _round_to_bf16(out1), _round_to_bf16(out2)
+        out1, out2 = round_to_bf16(out1), round_to_bf16(out2)
     out_dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + out_offsets, out1.to(out_dtype), mask=mask)
     tl.store(out_ptr + out_offsets + HALF, out2.to(out_dtype), mask=mask)

@@ -69,21 +69,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memfit.planner.memory import CATEGORIES
 from memfit.profile.timeline import CudaTimelineRecorder, MemoryTimeline
 from memfit.train.engine import Trainer
 from memfit.train.precision import autocast
 
-# The planner's categories (memfit.planner.memory.CATEGORIES), in its order.
-CATEGORIES = (
-    "params",
-    "grads",
-    "master_weights",
-    "optimizer_states",
-    "activations",
-    "logits_loss",
-    "temporaries",
-    "runtime_overhead",
-)
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -436,7 +426,7 @@ def measure_memory(
         loss_in_forward = probe.loss_saved_bytes or 0
     activations = max(0, forward_bytes - loss_in_forward - temporaries)
 
-    breakdown = {
+    measured = {
         "params": params,
         "grads": observer.grads,
         "master_weights": 0,
@@ -446,6 +436,7 @@ def measure_memory(
         "temporaries": temporaries,
         "runtime_overhead": 0,
     }
+    breakdown = {category: measured[category] for category in CATEGORIES}  # the planner's order
     peak_allocated = peak_reserved = None
     if cuda:
         peak_allocated, peak_reserved = observer.peak_allocated, observer.peak_reserved

@@ -52,23 +52,24 @@ class ConfigError(ValueError):
     """A strategy that cannot run as configured."""
 
 
-# Dense bf16 tensor-core peak of known GPUs, for the MFU column (the planner's hardware catalog
-# supersedes this table).
-_PEAK_BF16_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-}
-
-
 def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the present GPU from the planner's hardware catalog (for MFU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in _PEAK_BF16_FLOPS.items() if key in name), None)
+    from memfit.planner.hardware import detect_gpu
+
+    gpu = detect_gpu()
+    return gpu.bf16_flops if gpu is not None else None
+
+
+def compiles_blocks(compile: str, device: torch.device, checkpointing: str) -> bool:
+    """Whether `--compile` compiles the blocks. auto: on CUDA when blocks are not checkpointed.
+    Compiled checkpointed blocks kept more memory than eager ones in our H100 measurements
+    (llama-1b, micro-batch 8, full: 19.8 vs 15.4 GiB peak), while eager with memfit's kernels was
+    within 3-12% of their speed (BENCHMARKS.md); --compile on still compiles them."""
+    return compile == "on" or (
+        compile == "auto" and device.type == "cuda" and checkpointing == "none"
+    )
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -173,15 +174,7 @@ class Trainer:
 
         # 4. techniques, in order: activation checkpointing, then compile
         apply_activation_checkpointing(self.model, train.checkpointing)
-        # auto: compile on CUDA when blocks are not checkpointed. Compiled checkpointed blocks
-        # kept more memory than eager ones in our H100 measurements (llama-1b, micro-batch 8,
-        # full: 19.8 vs 15.4 GiB peak), while eager with memfit's kernels was within 3-12% of
-        # their speed (BENCHMARKS.md); --compile on still compiles them.
-        self.compiled = config.model.compile == "on" or (
-            config.model.compile == "auto"
-            and self.device.type == "cuda"
-            and train.checkpointing == "none"
-        )
+        self.compiled = compiles_blocks(config.model.compile, self.device, train.checkpointing)
         if self.compiled:
             # Inductor fuses each block's elementwise work (norms, RoPE, SwiGLU, residual adds)
             # into a few kernels; blocks share one compiled graph (same code, same shapes).
