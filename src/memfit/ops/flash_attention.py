@@ -153,8 +153,8 @@ def _fwd_blocks(
         cols = start_n + offs_n
         k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :]
         v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :]
+        kv_ok = (cols[:, None] < seqlen_k) & d_ok
         if MASKED:
-            kv_ok = (cols[:, None] < seqlen_k) & d_ok
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
         elif BLOCK_D != HEAD_DIM:
             k = tl.load(k_ptrs, mask=d_ok, other=0.0)
@@ -291,7 +291,9 @@ def _fwd_kernel(
 def _bwd_preprocess_kernel(
     Out,
     DO,
+    LSE,
     DELTA,
+    LSE2,
     CU_Q,
     stride_ob,
     stride_on,
@@ -308,7 +310,8 @@ def _bwd_preprocess_kernel(
     IS_VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dout * out) in fp32, laid out like lse."""
+    """delta = rowsum(dout * out) and lse2 = lse * log2(e) (+inf for a row that saw no key, so
+    that its p = exp2(s - lse2) is 0), fp32, laid out like lse."""
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = off_bh // num_heads
@@ -332,11 +335,11 @@ def _bwd_preprocess_kernel(
         other=0.0,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(
-        DELTA + off_b64 * stride_lb + off_h * stride_lh + q_start + offs_m,
-        delta,
-        mask=offs_m < seqlen_q,
-    )
+    row = off_b64 * stride_lb + off_h * stride_lh + q_start + offs_m
+    tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
+    lse = tl.load(LSE + row, mask=offs_m < seqlen_q, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(LSE2 + row, lse, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -373,10 +376,10 @@ def _bwd_dkdv_blocks(
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
+        row_ok = offs_m < seqlen_q
         q_ptrs = q_base + offs_m[:, None] * stride_qn + offs_d[None, :]
         do_ptrs = do_base + offs_m[:, None] * stride_don + offs_d[None, :]
         if MASKED:
-            row_ok = offs_m < seqlen_q
             q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
             # rows past the end get lse = +inf, so p = 0 there
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
@@ -386,14 +389,7 @@ def _bwd_dkdv_blocks(
         else:
             q = tl.load(q_ptrs)
             lse = tl.load(lse_base + offs_m)
-        # natural log -> log2 units; a row that saw no key (lse = -inf) has p = 0 everywhere
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        qkT = _dot(k, tl.trans(q), None, INTERPRET)
-        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
         if MASKED:
-            rows = offs_m[None, :] + shift
-            keep = (offs_n[:, None] >= rows - left) & (offs_n[:, None] <= rows + right)
-            pT = tl.where(keep, pT, 0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         elif BLOCK_D != HEAD_DIM:
@@ -402,8 +398,15 @@ def _bwd_dkdv_blocks(
         else:
             do = tl.load(do_ptrs)
             delta = tl.load(delta_base + offs_m)
-        dv = _dot(_to_dtype(pT, do.dtype, INTERPRET), do, dv, INTERPRET)
+        # both products first: the tensor cores compute dpT while exp2 runs
+        qkT = _dot(k, tl.trans(q), None, INTERPRET)
         dpT = _dot(v, tl.trans(do), None, INTERPRET)
+        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+        if MASKED:
+            rows = offs_m[None, :] + shift
+            keep = (offs_n[:, None] >= rows - left) & (offs_n[:, None] <= rows + right)
+            pT = tl.where(keep, pT, 0.0)
+        dv = _dot(_to_dtype(pT, do.dtype, INTERPRET), do, dv, INTERPRET)
         dsT = pT * (dpT - delta[None, :])
         dk = _dot(_to_dtype(dsT, q.dtype, INTERPRET), q, dk, INTERPRET)
     return dk, dv
@@ -454,13 +457,13 @@ def _bwd_dq_blocks(
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         qk = _dot(q, tl.trans(k), None, INTERPRET)
+        dp = _dot(do, tl.trans(v), None, INTERPRET)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
             rows = offs_m[:, None] + shift
             keep = (cols[None, :] < seqlen_k) & (cols[None, :] >= rows - left)
             keep = keep & (cols[None, :] <= rows + right)
             p = tl.where(keep, p, 0.0)
-        dp = _dot(do, tl.trans(v), None, INTERPRET)
         ds = p * (dp - delta[:, None])
         dq = _dot(_to_dtype(ds, k.dtype, INTERPRET), k, dq, INTERPRET)
     return dq
@@ -509,6 +512,7 @@ def _bwd_kernel(
     qk_scale,
     softmax_scale,
     num_heads_kv,
+    first_program,  # 0; num_n_blocks to launch only the dq programs
     TUNE_N,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -523,7 +527,7 @@ def _bwd_kernel(
 ):
     """Programs [0, num_n_blocks) compute dk, dv of one key block (all GROUP query heads);
     programs [num_n_blocks, num_n_blocks + GROUP * num_m_blocks) compute dq of one query block."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) + first_program
     num_n_blocks = tl.cdiv(seqlen_k, BLOCK_N1)  # seqlen_q/k are the longest ones when packed
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M2)
     off_bh = tl.program_id(1)
@@ -608,7 +612,6 @@ def _bwd_kernel(
         )
         row_ok = offs_m < seqlen_q
         lse = tl.load(lse_b + off_h * stride_lh + offs_m, mask=row_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         delta = tl.load(delta_b + off_h * stride_lh + offs_m, mask=row_ok, other=0.0)
         k_base = K + off_b64 * stride_kb + k_start64 * stride_kn + off_hk * stride_kh
         v_base = V + off_b64 * stride_vb + k_start64 * stride_vn + off_hk * stride_vh
@@ -642,24 +645,24 @@ def _bwd_kernel(
 # Launch configurations
 # --------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, candidates for the autotuner.
+# Autotuner candidates per padded head dim, from sweeps on an H100 (bf16, triton 3.6; BLOCK_M 64
+# with 4 warps won the forward at every length: two programs share an SM and overlap one's softmax
+# with the other's matrix products). Tensor-descriptor (TMA) loads were measured too and lost
+# 3-7% in the forward and tied in the backward, so the kernels use plain pointer loads.
+# Forward: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 _FWD_CONFIGS = {
-    32: [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 4, 3), (64, 64, 4, 4)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-          (64, 64, 4, 3)],
-    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (64, 64, 8, 2)],
-}  # fmt: skip
-# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages): dk/dv programs walk query
-# blocks of BLOCK_M1 under a key block of BLOCK_N1; dq programs the converse.
+    32: [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    64: [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    128: [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2)],
+}
+# Backward: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); dk/dv programs walk
+# query blocks of BLOCK_M1 under a key block of BLOCK_N1, dq programs the converse.
 _BWD_CONFIGS = {
-    32: [(64, 128, 128, 64, 4, 3), (64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 3)],
-    64: [(64, 128, 128, 64, 4, 3), (64, 128, 128, 64, 8, 3), (32, 128, 128, 32, 4, 3),
-         (64, 64, 64, 64, 4, 3)],
-    128: [(64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 8, 3),
-          (64, 64, 64, 64, 4, 3), (32, 128, 128, 32, 4, 3)],
-    256: [(32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 8, 2),
-          (16, 64, 64, 16, 4, 2)],
+    32: [(64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 4, 3)],
+    64: [(64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 4, 3)],
+    128: [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 4)],
+    256: [(32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 8, 2), (16, 64, 64, 16, 4, 2)],
 }  # fmt: skip
 _INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16}
 _INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}
@@ -762,12 +765,12 @@ def _backward(
         dout = dout.contiguous()
     block_d = max(16, triton.next_power_of_2(head_dim))
     interpret = interpreter_enabled()
-    delta = torch.empty_like(lse)
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     pre_block = 16 if interpret else 64
     launch(
         _bwd_preprocess_kernel, (triton.cdiv(max_seqlen_q, pre_block), batch * heads), q.device,
-        out, dout, delta, cu_seqlens_q, *_layout(out), *_layout(dout), *stride_lse,
+        out, dout, lse, delta, lse2, cu_seqlens_q, *_layout(out), *_layout(dout), *stride_lse,
         max_seqlen_q, heads, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
         BLOCK_M=pre_block,
     )  # fmt: skip
@@ -780,10 +783,10 @@ def _backward(
 
     launch(
         kernel, grid, q.device,
-        q, k, v, dout, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, dout, lse2, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *_layout(dk),
         *_layout(dv), *stride_lse,
-        max_seqlen_q, max_seqlen_k, left, right, scale * _LOG2E, scale, heads_kv,
+        max_seqlen_q, max_seqlen_k, left, right, scale * _LOG2E, scale, heads_kv, 0,
         _tune_n(max(max_seqlen_q, max_seqlen_k)),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
         REVERSE=right < _NO_LIMIT, INTERPRET=interpret, **meta,
