@@ -100,3 +100,42 @@ def saved_tensor_bytes(fn, *args, exclude: tuple[Tensor, ...] = (), **kwargs) ->
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = fn(*args, **kwargs)
     return result, total
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softmax_scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention as plain PyTorch writes it, (out, lse), for (batch, seqlen, heads, dim) inputs.
+
+    dtype: fp64 for the exact reference; fp16/bf16 for PyTorch's own error in that precision
+    (products in that dtype, softmax in fp32, probabilities rounded before the value product, as
+    eager PyTorch computes it). Query i at aligned position p = i + seqlen_k - seqlen_q sees keys
+    p - left .. p + right (causal: right = 0); a row that sees no key outputs 0 with lse -inf."""
+    dtype = dtype or q.dtype
+    seqlen_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    seqlen_k, group = k.shape[1], heads // k.shape[2]
+    qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
+    scores = (qf @ kf.transpose(-1, -2)).to(torch.promote_types(dtype, torch.float32))
+    scores = scores * (softmax_scale or head_dim**-0.5)
+    position = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
+    key = torch.arange(seqlen_k, device=q.device)[None, :]
+    left, right = window if window is not None else (None, None)
+    right = 0 if causal else right
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if left is not None and left >= 0:
+        allowed &= key >= position - left
+    if right is not None and right >= 0:
+        allowed &= key <= position + right
+    empty = ~allowed.any(-1)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(scores, -1).masked_fill(empty[:, 0], float("-inf"))
+    probs = scores.softmax(-1).masked_fill(empty, 0.0).to(dtype)
+    return (probs @ vf).transpose(1, 2), lse

@@ -29,3 +29,13 @@ def recommend(model, gpu="h100-sxm", **options):
 
     model = model if isinstance(model, ModelConfig) else load_model_config(model)
     return _recommend(model, get_gpu(gpu) if isinstance(gpu, str) else gpu, **options)
+
+
+def __getattr__(name: str):
+    # memfit.flash_attention / memfit.flash_attention_varlen, imported on first use (triton is
+    # slow to import and `memfit plan` never needs it)
+    if name in ("flash_attention", "flash_attention_varlen"):
+        from memfit.ops import flash_attention as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from memfit.ops._triton import HAS_TRITON
 from memfit.ops.cross_entropy import linear_cross_entropy
+from memfit.ops.flash_attention import (
+    SUPPORTED_HEAD_DIMS,
+    flash_attention,
+    flash_attention_varlen,
+)
 from memfit.ops.rms_norm import rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
 from memfit.ops.swiglu import swiglu
@@ -21,6 +27,8 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_qk",
     "attention",
+    "flash_attention",
+    "flash_attention_varlen",
     "linear_cross_entropy",
     "resolve_attention",
     "rms_norm",
@@ -31,24 +39,42 @@ __all__ = [
 AttentionBackend = Literal["auto", "flash", "sdpa", "eager"]
 
 
-def resolve_attention(backend: AttentionBackend, device: torch.device) -> Literal["sdpa", "eager"]:
-    """The backend that `attention` will run for `backend` on `device`.
+def resolve_attention(
+    backend: AttentionBackend,
+    device: torch.device,
+    *,
+    precision: str = "bf16",
+    head_dim: int | None = None,
+) -> Literal["flash", "sdpa", "eager"]:
+    """The kernel `attention` runs for `backend` on `device` when training in `precision`.
 
-    `auto` is torch SDPA for now (which picks FlashAttention-2 or cuDNN on CUDA); memfit's own
-    Triton FlashAttention arrives with its kernel and becomes `auto` on CUDA then.
+    `auto` is memfit's Triton FlashAttention on CUDA in bf16/fp16 (when triton is installed and the
+    head dim is one it takes), torch SDPA otherwise (CPU, fp32). `flash` insists on the former and
+    says why when it cannot run.
     """
-    if backend in ("auto", "sdpa"):
-        return "sdpa"
-    if backend == "eager":
-        return "eager"
-    if backend == "flash":
+    if backend not in ("auto", "flash", "sdpa", "eager"):
         raise ValueError(
-            "attention='flash' (memfit's Triton FlashAttention) is not in this version yet; "
-            "use --attention sdpa (torch's fused attention, the default) or eager"
+            f"unknown attention backend {backend!r}; choose one of auto, flash, sdpa, eager"
         )
-    raise ValueError(
-        f"unknown attention backend {backend!r}; choose one of auto, flash, sdpa, eager"
-    )
+    if backend in ("sdpa", "eager"):
+        return backend
+    reason = _flash_unavailable(torch.device(device), precision, head_dim)
+    if backend == "flash" and reason:
+        raise ValueError(f"attention='flash' cannot run here: {reason}; use auto or sdpa")
+    return "sdpa" if reason else "flash"
+
+
+def _flash_unavailable(device: torch.device, precision: str, head_dim: int | None) -> str | None:
+    """Why memfit's FlashAttention cannot run, or None when it can."""
+    if device.type != "cuda":
+        return f"it runs on CUDA devices, not {device.type}"
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if precision not in ("bf16", "fp16"):
+        return f"it computes in bf16 or fp16, not {precision}"
+    if head_dim is not None and (head_dim % 8 != 0 or not 16 <= head_dim <= 256):
+        return f"head_dim {head_dim} is not one it takes ({SUPPORTED_HEAD_DIMS})"
+    return None
 
 
 def attention(
@@ -58,7 +84,7 @@ def attention(
     *,
     causal: bool = True,
     window: int | None = None,
-    backend: Literal["sdpa", "eager"] = "sdpa",
+    backend: Literal["auto", "flash", "sdpa", "eager"] = "sdpa",
 ) -> Tensor:
     """Scaled dot-product attention with grouped key/value heads.
 
@@ -67,8 +93,18 @@ def attention(
     The causal mask is aligned bottom-right: query i sees keys up to i + seqlen_k - seqlen_q (so a
     decode step with a cache sees every cached key). `window`, if set, also hides keys more than
     `window - 1` positions behind the query (Mistral's sliding window).
+    backend: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa (torch's fused
+    attention), eager (materializes the scores; a reference), or auto (flash where it can run on
+    these tensors, sdpa elsewhere).
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
+    if backend == "auto":
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "fp32")
+        backend = resolve_attention("auto", q.device, precision=precision, head_dim=head_dim)
+    if backend == "flash":
+        # Mistral's window W hides keys W or more positions back: (left, right) = (W - 1, 0)
+        flash_window = (window - 1, 0) if window is not None else None
+        return flash_attention(q, k, v, causal=causal, window=flash_window)
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     if heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")

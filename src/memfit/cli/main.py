@@ -185,6 +185,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             grad_accum=train.grad_accum,
             checkpointing=train.checkpointing,
             optimizer=train.optimizer,
+            attention=trainer.attention,
         )
         return plan(trainer.model_config, strategy, detect_gpu())
 

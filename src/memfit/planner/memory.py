@@ -19,7 +19,9 @@ output (Tf), plus fp32 1/rms per norm (2 x 4T) and the attention log-sum-exp (4T
     none:       c*T*(4h + 2q + 2kv + 3f) + 4T*(2 + H)
     full:       c*T*h              (the block input; one block's activations are rebuilt in backward)
     selective:  c*T*(h + q) + 4TH  (block input + attention output and log-sum-exp)
-Flash/SDPA attention removes Korthikanti's 5as/h term; eager attention keeps the probabilities.
+Flash/SDPA attention removes Korthikanti's 5as/h term (memfit's flash kernel keeps exactly what
+SDPA's does: its output and fp32 log-sum-exp, and reads grouped k and v without repeating them);
+eager attention keeps the probabilities.
 
 Around the blocks: the final norm's input (c*Th + 4T), and the fused linear cross-entropy's saved
 gradients, grad_hidden (Th x 2 bytes in bf16, 4 otherwise) and grad_weight (Vh x 4): the logits are
@@ -78,13 +80,16 @@ class Strategy:
     grad_accum: int = 1
     checkpointing: Literal["none", "full", "selective"] = "none"
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    attention: Literal["sdpa", "flash", "eager"] = "sdpa"
+    # auto: what `--attention auto` runs on a GPU, memfit's flash kernel in bf16/fp16, SDPA in fp32
+    attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
     fused_cross_entropy: bool = True
     zero: int = 0
     offload: Literal["none", "optimizer", "params"] = "none"
     world_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.attention == "auto":
+            object.__setattr__(self, "attention", "sdpa" if self.precision == "fp32" else "flash")
         if self.micro_batch < 1 or self.seq_len < 1 or self.grad_accum < 1 or self.world_size < 1:
             raise ValueError(
                 f"micro_batch, seq_len, grad_accum and world_size must be >= 1: {self}"
@@ -194,7 +199,7 @@ def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | N
     if mode == "selective" and strategy.attention != "eager":
         return c * T * (s["h"] + s["q"]) + 4 * T * s["H"]
     total = c * T * (4 * s["h"] + 2 * s["q"] + 2 * s["kv"] + 3 * s["f"]) + 4 * T * (2 + s["H"])
-    if s["q"] != s["kv"] and strategy.precision == "fp32" and strategy.attention != "eager":
+    if s["q"] != s["kv"] and strategy.precision == "fp32" and strategy.attention == "sdpa":
         # grouped k and v are repeated per query head before the fused fp32 kernel (functional.py)
         total += 2 * c * T * (s["q"] - s["kv"])
     if strategy.attention == "eager":
@@ -329,11 +334,28 @@ def _layer_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
     c = 4 if strategy.precision == "fp32" else 2
     T = strategy.micro_batch * strategy.seq_len
     transient = c * T * (s["h"] + 2 * s["f"]) + c * s["h"] * 2 * s["f"]
+    transient = max(transient, _attention_backward_transient(model, strategy))
     if strategy.checkpointing in ("full", "selective"):
         rebuilt = layer_activation_bytes(model, strategy, mode="none") - layer_activation_bytes(
             model, strategy
         )
         transient += rebuilt + (2 * s["P_matmul_layer"] if strategy.precision != "fp32" else 0)
+    return transient
+
+
+def _attention_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
+    """What the attention kernel's backward allocates on top of its saved inputs: the gradient
+    flowing in (Tq), dq, dk, dv (T(q + 2kv)) and two fp32 row vectors per query head.
+    memfit's flash kernel writes dq, dk, dv directly (no fp32 accumulator; GQA's dk, dv are summed
+    in registers) and its row vectors are delta and lse*log2(e); torch's FlashAttention-2 backend
+    (sdpa) adds an fp32 dq accumulator (4Tq). Eager attention's probabilities are counted with the
+    activations."""
+    s = _sizes(model)
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    transient = c * T * (2 * s["q"] + 2 * s["kv"]) + 8 * T * s["H"]
+    if strategy.attention == "sdpa":
+        transient += 4 * T * s["q"]
     return transient
 
 

@@ -28,9 +28,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+import memfit.ops.flash_attention  # noqa: F401  (registers torch.ops.memfit.flash_attn_forward)
+
 CheckpointingMode = Literal["none", "full", "selective"]
 
-_ATTENTION_OPS = [
+_ATTENTION_OPS = [torch.ops.memfit.flash_attn_forward.default] + [
     getattr(torch.ops.aten, name).default
     for name in (
         "_scaled_dot_product_flash_attention",

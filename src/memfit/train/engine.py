@@ -166,7 +166,13 @@ class Trainer:
             )
 
         # 3. model (meta-device construction, then materialized and initialized)
-        attention = resolve_attention(config.model.attention, self.device)
+        attention = resolve_attention(
+            config.model.attention,
+            self.device,
+            precision=self.precision,
+            head_dim=self.model_config.head_dim,
+        )
+        self.attention = attention
         self.model = build_model(
             self.model_config, device=self.device, attention=attention, seed=train.seed
         )
