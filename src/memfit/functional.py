@@ -45,11 +45,15 @@ def resolve_attention(
     *,
     precision: str = "bf16",
     head_dim: int | None = None,
+    window: int | None = None,
 ) -> Literal["flash", "sdpa", "eager"]:
     """The kernel `attention` runs for `backend` on `device` when training in `precision`.
 
-    `auto` is memfit's Triton FlashAttention on CUDA in bf16/fp16 (when triton is installed and the
-    head dim is one it takes), torch SDPA otherwise (CPU, fp32). `flash` insists on the former and
+    `auto` is torch SDPA, except for models with a sliding `window` on CUDA in bf16/fp16, which
+    get memfit's Triton FlashAttention: SDPA has no fused kernel for a window (it falls back to an
+    explicit mask and dense work, 14x slower at 8k tokens on an H100, BENCHMARKS.md), while for
+    plain causal attention on an H100 SDPA picks cuDNN, which trains llama-1b 4-10% faster than
+    memfit's kernel today (BENCHMARKS.md, "Attention"). `flash` insists on memfit's kernel and
     says why when it cannot run.
     """
     if backend not in ("auto", "flash", "sdpa", "eager"):
@@ -61,7 +65,7 @@ def resolve_attention(
     reason = _flash_unavailable(torch.device(device), precision, head_dim)
     if backend == "flash" and reason:
         raise ValueError(f"attention='flash' cannot run here: {reason}; use auto or sdpa")
-    return "sdpa" if reason else "flash"
+    return "flash" if not reason and (backend == "flash" or window is not None) else "sdpa"
 
 
 def _flash_unavailable(device: torch.device, precision: str, head_dim: int | None) -> str | None:
@@ -94,13 +98,14 @@ def attention(
     decode step with a cache sees every cached key). `window`, if set, also hides keys more than
     `window - 1` positions behind the query (Mistral's sliding window).
     backend: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa (torch's fused
-    attention), eager (materializes the scores; a reference), or auto (flash where it can run on
-    these tensors, sdpa elsewhere).
+    attention), eager (materializes the scores; a reference), or auto (`resolve_attention`).
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     if backend == "auto":
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "fp32")
-        backend = resolve_attention("auto", q.device, precision=precision, head_dim=head_dim)
+        backend = resolve_attention(
+            "auto", q.device, precision=precision, head_dim=head_dim, window=window
+        )
     if backend == "flash":
         # Mistral's window W hides keys W or more positions back: (left, right) = (W - 1, 0)
         flash_window = (window - 1, 0) if window is not None else None

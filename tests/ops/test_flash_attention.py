@@ -194,11 +194,14 @@ def test_functional_attention_flash_matches_sdpa(on_cpu):
 
 def test_resolve_attention():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    expected = "flash" if memfit.ops._triton.HAS_TRITON else "sdpa"
-    assert MF.resolve_attention("auto", cuda, precision="bf16", head_dim=128) == expected
-    assert MF.resolve_attention("auto", cuda, precision="fp32", head_dim=128) == "sdpa"
-    assert MF.resolve_attention("auto", cuda, precision="bf16", head_dim=12) == "sdpa"
-    assert MF.resolve_attention("auto", cpu, precision="bf16") == "sdpa"
+    flash = "flash" if memfit.ops._triton.HAS_TRITON else "sdpa"
+    # auto: memfit's kernel for sliding windows (SDPA has no fused path for them), SDPA otherwise
+    assert MF.resolve_attention("auto", cuda, precision="bf16", head_dim=128, window=4096) == flash
+    assert MF.resolve_attention("auto", cuda, precision="bf16", head_dim=128) == "sdpa"
+    assert MF.resolve_attention("auto", cuda, precision="fp32", head_dim=128, window=64) == "sdpa"
+    assert MF.resolve_attention("auto", cuda, precision="bf16", head_dim=12, window=64) == "sdpa"
+    assert MF.resolve_attention("auto", cpu, precision="bf16", window=64) == "sdpa"
+    assert MF.resolve_attention("flash", cuda, precision="bf16", head_dim=128) == flash
     assert MF.resolve_attention("sdpa", cuda) == "sdpa"
     with pytest.raises(ValueError, match="not fp32"):
         MF.resolve_attention("flash", cuda, precision="fp32")
@@ -209,14 +212,13 @@ def test_resolve_attention():
 
 
 def test_planner_knows_flash_attention_memory():
-    """auto plans flash in bf16 and SDPA in fp32; flash's backward needs no fp32 dq accumulator,
-    so where attention's backward sets a block's transient peak, flash plans less."""
+    """flash's backward needs no fp32 dq accumulator, so where attention's backward sets a
+    block's transient peak, flash plans less than SDPA."""
     model = memfit.models.config.load_model_config("llama-1b")
-    assert Strategy(precision="bf16").attention == "flash"
-    assert Strategy(precision="fp32").attention == "sdpa"
+    assert Strategy(precision="bf16").attention == "sdpa"  # auto, for a model without a window
     from memfit.planner.memory import _attention_backward_transient
 
-    strategy = Strategy(micro_batch=4, seq_len=2048)
+    strategy = Strategy(micro_batch=4, seq_len=2048, attention="flash")
     T, q = 4 * 2048, model.num_heads * model.head_dim
     flash = _attention_backward_transient(model, strategy)
     sdpa = _attention_backward_transient(model, Strategy(micro_batch=4, attention="sdpa"))

@@ -4,7 +4,6 @@ Skipped without CUDA."""
 import pytest
 import torch
 
-import memfit.functional as MF
 from memfit.models.config import PRESETS
 from memfit.models.llama import build_model
 from memfit.ops.flash_attention import flash_attention
@@ -101,9 +100,3 @@ def test_model_trains_the_same_with_flash_and_sdpa():
     torch.testing.assert_close(flash_loss, sdpa_loss, atol=2e-2, rtol=1e-2)
     for a, b in zip(flash_grads, sdpa_grads, strict=True):
         assert (a - b).norm() <= 0.05 * b.norm() + 1e-6
-
-
-def test_auto_picks_flash_on_cuda_in_bf16():
-    assert MF.resolve_attention("auto", torch.device("cuda"), precision="bf16", head_dim=64) == (
-        "flash"
-    )

@@ -80,7 +80,7 @@ class Strategy:
     grad_accum: int = 1
     checkpointing: Literal["none", "full", "selective"] = "none"
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    # auto: what `--attention auto` runs on a GPU, memfit's flash kernel in bf16/fp16, SDPA in fp32
+    # auto: what `--attention auto` runs for a model without a sliding window (SDPA)
     attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
     fused_cross_entropy: bool = True
     zero: int = 0
@@ -89,7 +89,7 @@ class Strategy:
 
     def __post_init__(self) -> None:
         if self.attention == "auto":
-            object.__setattr__(self, "attention", "sdpa" if self.precision == "fp32" else "flash")
+            object.__setattr__(self, "attention", "sdpa")
         if self.micro_batch < 1 or self.seq_len < 1 or self.grad_accum < 1 or self.world_size < 1:
             raise ValueError(
                 f"micro_batch, seq_len, grad_accum and world_size must be >= 1: {self}"

@@ -171,6 +171,7 @@ class Trainer:
             self.device,
             precision=self.precision,
             head_dim=self.model_config.head_dim,
+            window=self.model_config.sliding_window,
         )
         self.attention = attention
         self.model = build_model(
