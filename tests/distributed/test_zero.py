@@ -1,0 +1,114 @@
+"""ZeRO stages 0-2 with gloo, 2 and 3 processes: losses and final parameters equal a single-process
+run on the whole batch (fp32 tolerance) over 10 steps, with and without accumulation, with
+clipping, on a model whose parameter counts do not divide by the world size."""
+
+import contextlib
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from memfit.distributed import ZeroOptimizer, zero_state_bytes
+from memfit.train.optim import parameter_groups
+
+STEPS, MICRO_BATCH, LR = 10, 4, 1e-2
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.LayerNorm(5), nn.Linear(5, 3)
+    )
+
+
+def batches(world_size: int, accum: int):
+    """Step s: world_size * accum micro-batches; rank r takes micro-batches r*accum ..."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x = torch.randn(world_size * accum, MICRO_BATCH, 7, generator=generator)
+        yield x, torch.randn(world_size * accum, MICRO_BATCH, 3, generator=generator)
+
+
+def optimizer_factory(groups):
+    return torch.optim.AdamW(groups, lr=LR, foreach=True)
+
+
+def reference(world_size: int, accum: int):
+    model = make_model()
+    optimizer = optimizer_factory(parameter_groups(model, 0.1))
+    losses = []
+    for x, y in batches(world_size, accum):
+        loss = sum(nn.functional.mse_loss(model(xi), yi) for xi, yi in zip(x, y, strict=True))
+        loss = loss / len(x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def worker(rank, world_size, port, accum, stages, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = {}
+    for stage in stages:
+        model = make_model()
+        zero = ZeroOptimizer(
+            parameter_groups(model, 0.1), optimizer_factory, stage=stage, bucket_numel=50
+        )
+        losses = []
+        for x, y in batches(world_size, accum):
+            total = torch.zeros(())
+            for micro in range(accum):
+                index = rank * accum + micro
+                last = micro == accum - 1
+                with contextlib.nullcontext() if last else zero.no_sync():
+                    loss = nn.functional.mse_loss(model(x[index]), y[index]) / accum
+                    loss.backward()
+                total += loss.detach()
+            zero.clip_grad_norm_(0.5)
+            zero.step()
+            zero.zero_grad()
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+            losses.append(total.item())
+        results[stage] = (losses, [p.detach().clone() for p in model.parameters()])
+        results[f"bytes{stage}"] = zero.state_bytes()
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("world_size", "accum"), [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_stages_match_the_single_process_run(tmp_path, world_size, accum):
+    out = tmp_path / "results.pt"
+    mp.spawn(worker, args=(world_size, free_port(), accum, (0, 1, 2), str(out)), nprocs=world_size)
+    results = torch.load(out)
+    ref_losses, ref_params = reference(world_size, accum)
+    for stage in (0, 1, 2):
+        losses, params = results[stage]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        for got, expected in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    num_params = sum(p.numel() for p in ref_params)
+    for stage in (0, 1, 2):
+        measured = results[f"bytes{stage}"]
+        expected = zero_state_bytes(num_params, stage, world_size)
+        for key, value in expected.items():
+            # each bucket pads to a multiple of world_size elements (fewer than world_size each)
+            assert value <= measured[key] <= value + 16 * world_size * 8, (stage, key)
+
+
+def test_needs_a_process_group():
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node"):
+        ZeroOptimizer(parameter_groups(make_model(), 0.1), optimizer_factory, stage=1)
