@@ -112,3 +112,16 @@ def test_stages_match_the_single_process_run(tmp_path, world_size, accum):
 def test_needs_a_process_group():
     with pytest.raises(ValueError, match="torchrun --nproc_per_node"):
         ZeroOptimizer(parameter_groups(make_model(), 0.1), optimizer_factory, stage=1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_formulas_agree_with_the_planner(stage, world_size):
+    from memfit.models.config import PRESETS
+    from memfit.planner import Strategy, plan
+
+    model = PRESETS["llama-2-7b"]
+    planned = plan(model, Strategy(zero=stage, world_size=world_size)).category_peaks
+    formulas = zero_state_bytes(model.num_params, stage, world_size)
+    for key in ("params", "grads", "optimizer_states"):
+        assert abs(planned[key] - formulas[key]) <= 16, (key, planned[key], formulas[key])

@@ -8,7 +8,8 @@ c = bytes per element of the compute dtype (2 for bf16/fp16, 4 for fp32), N data
 Model states (Rajbhandari et al. 2020, "ZeRO", section 3 and figure 1, for mixed-precision Adam):
 memfit keeps the parameters themselves in fp32 (they are the master weights; autocast casts
 them for each matmul), so per GPU
-    params 4P (stage 3: 4P/N) + grads 4P (stage >= 2: 4P/N) + AdamW 8P / SGD 4P (stage >= 1: /N),
+    params 4P (stage 3: 4P/N) + grads 4P (stage 1: + the 4P/N shard its reduce-scatter writes;
+    stage >= 2: 4P/N) + AdamW 8P / SGD 4P (stage >= 1: /N),
 and no separate master copy. `--offload optimizer` moves the optimizer states to CPU memory.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -242,6 +243,8 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     if strategy.offload == "params":
         params = 0
     grads = 4 * P // (N if strategy.zero >= 2 else 1)
+    if strategy.zero == 1:  # the reduce-scatter's output: this rank's fp32 gradient shard
+        grads += 4 * math.ceil(P / N)
     optimizer_per_param = 8 if strategy.optimizer == "adamw" else 4
     optimizer = optimizer_per_param * P // (N if strategy.zero >= 1 else 1)
     if strategy.offload in ("optimizer", "params"):
