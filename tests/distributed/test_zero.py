@@ -52,30 +52,41 @@ def reference(world_size: int, accum: int):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+def train(zero, model, rank, world_size, accum):
+    losses = []
+    for x, y in batches(world_size, accum):
+        total = torch.zeros(())
+        for micro in range(accum):
+            index = rank * accum + micro
+            last = micro == accum - 1
+            with contextlib.nullcontext() if last else zero.no_sync():
+                loss = nn.functional.mse_loss(model(x[index]), y[index]) / accum
+                loss.backward()
+            total += loss.detach()
+        zero.clip_grad_norm_(0.5)
+        zero.step()
+        zero.zero_grad()
+        if world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+    return losses
+
+
 def worker(rank, world_size, port, accum, stages, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results = {}
     for stage in stages:
+        offload = stage == "1+offload"
         model = make_model()
         zero = ZeroOptimizer(
-            parameter_groups(model, 0.1), optimizer_factory, stage=stage, bucket_numel=50
+            parameter_groups(model, 0.1),
+            optimizer_factory,
+            stage=1 if offload else stage,
+            bucket_numel=50,
+            offload=offload,
         )
-        losses = []
-        for x, y in batches(world_size, accum):
-            total = torch.zeros(())
-            for micro in range(accum):
-                index = rank * accum + micro
-                last = micro == accum - 1
-                with contextlib.nullcontext() if last else zero.no_sync():
-                    loss = nn.functional.mse_loss(model(x[index]), y[index]) / accum
-                    loss.backward()
-                total += loss.detach()
-            zero.clip_grad_norm_(0.5)
-            zero.step()
-            zero.zero_grad()
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
-            losses.append(total.item())
+        losses = train(zero, model, rank, world_size, accum)
         results[stage] = (losses, [p.detach().clone() for p in model.parameters()])
         results[f"bytes{stage}"] = zero.state_bytes()
     if rank == 0:
@@ -125,3 +136,18 @@ def test_formulas_agree_with_the_planner(stage, world_size):
     formulas = zero_state_bytes(model.num_params, stage, world_size)
     for key in ("params", "grads", "optimizer_states"):
         assert abs(planned[key] - formulas[key]) <= 16, (key, planned[key], formulas[key])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_single_process_offload_matches_plain_training(stage):
+    """One GPU's ZeRO-Offload (here on CPU): no process group, optimizer on the CPU copies."""
+    model = make_model()
+    zero = ZeroOptimizer(
+        parameter_groups(model, 0.1), optimizer_factory, stage=stage, bucket_numel=50, offload=True
+    )
+    losses = train(zero, model, 0, 1, accum=2)
+    ref_losses, ref_params = reference(1, 2)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(model.parameters(), ref_params, strict=True):
+        torch.testing.assert_close(got.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert zero.state_bytes()["optimizer_states"] == 0

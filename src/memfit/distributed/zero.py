@@ -27,6 +27,12 @@ Gradient accumulation: stages 0 and 1 keep full gradients and accumulate locally
 `no_sync()` nothing is communicated and the last micro-step communicates once. Stage 2 cannot keep
 full gradients without giving up its saving, so it reduce-scatters every micro-step and adds into
 the fp32 shard (communication x grad_accum, memory 4P/N).
+
+Offload (`offload=True`, ZeRO-Offload, Ren et al. 2021): the optimizer states and an fp32 master
+copy of each shard live in (pinned) CPU memory and the optimizer steps there (torch's vectorized
+AdamW over the flat shard); the averaged gradient shard is copied to the host before the step and
+the updated shard back after it. It also runs without a process group, on one GPU. Not yet: the
+device-to-host copies overlapped with backward (they run at `step`).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class _Bucket:
             param.data = view.view(param.shape)
         self.start, self.end = self.layout.shard_bounds(rank)
         self.shard: Tensor | None = None  # what the optimizer updates (ZeroOptimizer._shard_param)
+        self.cpu_shard: Tensor | None = None  # offload: the fp32 master copy the optimizer steps
         self.grad: Tensor | None = None  # full fp32 gradients (stages 0, 1; stage 2 in flight)
         self.shard_grad: Tensor | None = None  # this rank's averaged gradient (stages 1, 2)
         self.arrived = 0
@@ -80,18 +87,21 @@ class ZeroOptimizer:
         stage: int,
         process_group: dist.ProcessGroup | None = None,
         bucket_numel: int = 1 << 24,
+        offload: bool = False,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer takes stages 0, 1 and 2, got {stage}")
-        if not dist.is_initialized():
+        self.distributed = dist.is_initialized()
+        if not self.distributed and not offload:
             raise ValueError(
                 "ZeRO needs a process group: launch with torchrun --nproc_per_node N "
-                "-m memfit train ..."
+                "-m memfit train ... (on one GPU, --offload optimizer works without one)"
             )
         self.stage = stage
+        self.offload = offload
         self.group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.sync = True
         self.buckets: list[_Bucket] = []
         shard_groups = []
@@ -115,6 +125,20 @@ class ZeroOptimizer:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self._callback_queued = False
+        if offload:
+            # ZeRO-Offload: the optimizer steps fp32 copies of the shards in (pinned) CPU memory
+            pin = torch.cuda.is_available() and self.buckets and self.buckets[0].flat_param.is_cuda
+            for bucket in self.buckets:
+                bucket.cpu_shard = (
+                    bucket.shard.detach().to("cpu").pin_memory()
+                    if pin
+                    else (bucket.shard.detach().to("cpu", copy=True))
+                )
+                bucket.cpu_shard.grad = torch.zeros_like(bucket.cpu_shard)
+            by_id = {id(b.shard): b.cpu_shard for b in self.buckets}
+            shard_groups = [
+                {**g, "params": [by_id[id(t)] for t in g["params"]]} for g in shard_groups
+            ]
         self.optimizer = optimizer_factory(shard_groups)
 
     # -- layout --------------------------------------------------------------------------------
@@ -172,6 +196,12 @@ class ZeroOptimizer:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None or (self.stage < 2 and not self.sync):
             return
+        if not self.distributed:  # one process (single-GPU offload): the average is the gradient
+            if self.stage == 1:
+                bucket.shard_grad.copy_(bucket.grad)
+            elif self.stage == 2:
+                bucket.reduced = bucket.grad
+            return
         if self.stage == 0:
             bucket.work = dist.all_reduce(
                 bucket.grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True
@@ -216,7 +246,7 @@ class ZeroOptimizer:
         the norm before clipping, the same on every rank."""
         grads = self._grads()
         total = torch.stack([g.float().square().sum() for g in grads]).sum()
-        if self.stage >= 1:  # each rank holds a disjoint shard
+        if self.stage >= 1 and self.distributed:  # each rank holds a disjoint shard
             dist.all_reduce(total, group=self.group)
         norm = total.sqrt()
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -225,8 +255,16 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.offload:
+            for bucket, grad in zip(self.buckets, self._grads(), strict=True):
+                bucket.cpu_shard.grad.copy_(grad, non_blocking=True)
+            if self.buckets and self.buckets[0].flat_param.is_cuda:
+                torch.cuda.current_stream().synchronize()
         self.optimizer.step()
-        if self.stage >= 1:
+        if self.offload:
+            for bucket in self.buckets:
+                bucket.shard.copy_(bucket.cpu_shard, non_blocking=True)
+        if self.stage >= 1 and self.distributed:
             for bucket in self.buckets:
                 shard = bucket.flat_param[bucket.start : bucket.end].clone()
                 dist.all_gather_into_tensor(bucket.flat_param, shard, group=self.group)
@@ -250,6 +288,9 @@ class ZeroOptimizer:
             for t in state.values()
             if isinstance(t, Tensor) and t.dim() > 0
         )
+        if self.offload:  # in CPU memory, with the master copies and their gradients
+            cpu = optimizer + sum(2 * b.cpu_shard.numel() * 4 for b in self.buckets)
+            return {"params": params, "grads": grads, "optimizer_states": 0, "cpu": cpu}
         return {"params": params, "grads": grads, "optimizer_states": optimizer}
 
 
