@@ -151,3 +151,22 @@ def test_single_process_offload_matches_plain_training(stage):
     for got, expected in zip(model.parameters(), ref_params, strict=True):
         torch.testing.assert_close(got.detach(), expected, rtol=1e-5, atol=1e-6)
     assert zero.state_bytes()["optimizer_states"] == 0
+
+
+def test_model_zero_grad_to_none_does_not_lose_gradients():
+    """model.zero_grad() sets .grad to None; the next backward's gradients still reach the
+    flat buffers the collectives and the optimizer read."""
+    model, reference_model = make_model(), make_model()
+    zero = ZeroOptimizer(parameter_groups(model, 0.1), optimizer_factory, stage=1, offload=True)
+    optimizer = optimizer_factory(parameter_groups(reference_model, 0.1))
+    x, y = torch.randn(4, 7), torch.randn(4, 3)
+    for _ in range(2):
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        zero.step()
+        zero.zero_grad()
+        nn.functional.mse_loss(reference_model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for got, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)

@@ -64,6 +64,7 @@ class _Bucket:
         self.shard: Tensor | None = None  # what the optimizer updates (ZeroOptimizer._shard_param)
         self.cpu_shard: Tensor | None = None  # offload: the fp32 master copy the optimizer steps
         self.grad: Tensor | None = None  # full fp32 gradients (stages 0, 1; stage 2 in flight)
+        self.grad_views: list[Tensor] = []  # stages 0, 1: the parameters' .grad
         self.shard_grad: Tensor | None = None  # this rank's averaged gradient (stages 1, 2)
         self.arrived = 0
         self.work = None
@@ -157,8 +158,12 @@ class ZeroOptimizer:
         shard = self._shard_param(bucket)
         if self.stage in (0, 1):
             bucket.grad = bucket.layout.empty(torch.float32, shard.device)
-            for param, view in zip(bucket.params, bucket.layout.views(bucket.grad), strict=True):
-                param.grad = view.view(param.shape)  # autograd accumulates into it in place
+            bucket.grad_views = [
+                view.view(param.shape)
+                for param, view in zip(bucket.params, bucket.layout.views(bucket.grad), strict=True)
+            ]
+            for param, view in zip(bucket.params, bucket.grad_views, strict=True):
+                param.grad = view  # autograd accumulates into it in place
         if self.stage == 0:
             shard.grad = bucket.grad
         else:
@@ -182,6 +187,12 @@ class ZeroOptimizer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket = self._bucket_of[id(param)]
+        if self.stage < 2:
+            index = next(i for i, p in enumerate(bucket.params) if p is param)
+            view = bucket.grad_views[index]
+            if param.grad is not view:  # someone set .grad to None (e.g. model.zero_grad())
+                view.copy_(param.grad)
+                param.grad = view
         if self.stage == 2:
             if bucket.grad is None:
                 bucket.grad = bucket.layout.empty(torch.float32, param.device)
