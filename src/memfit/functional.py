@@ -17,6 +17,7 @@ from memfit.ops.flash_attention import (
     SUPPORTED_HEAD_DIMS,
     flash_attention,
     flash_attention_varlen,
+    head_dim_supported,
 )
 from memfit.ops.rms_norm import rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
@@ -76,7 +77,7 @@ def _flash_unavailable(device: torch.device, precision: str, head_dim: int | Non
         return "triton is not installed"
     if precision not in ("bf16", "fp16"):
         return f"it computes in bf16 or fp16, not {precision}"
-    if head_dim is not None and (head_dim % 8 != 0 or not 16 <= head_dim <= 256):
+    if head_dim is not None and not head_dim_supported(head_dim):
         return f"head_dim {head_dim} is not one it takes ({SUPPORTED_HEAD_DIMS})"
     return None
 

@@ -67,6 +67,7 @@ class _Bucket:
         self.grad_views: list[Tensor] = []  # stages 0, 1: the parameters' .grad
         self.shard_grad: Tensor | None = None  # this rank's averaged gradient (stages 1, 2)
         self.arrived = 0
+        self.launched = False  # its collective has started in this backward
         self.work = None
         self.reduced: Tensor | None = None  # stage 2: output of the reduce-scatter in flight
 
@@ -120,7 +121,8 @@ class ZeroOptimizer:
                 self.buckets.append(bucket)
                 shards.append(self._shard_param(bucket))
             shard_groups.append({"params": shards, **options})
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # parameter -> (its bucket, its index there), looked up by every gradient hook
+        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for bucket in self.buckets:
             self._init_grads(bucket)
             for param in bucket.params:
@@ -186,9 +188,8 @@ class ZeroOptimizer:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        bucket = self._bucket_of[id(param)]
+        bucket, index = self._slot[id(param)]
         if self.stage < 2:
-            index = next(i for i, p in enumerate(bucket.params) if p is param)
             view = bucket.grad_views[index]
             if param.grad is not view:  # someone set .grad to None (e.g. model.zero_grad())
                 view.copy_(param.grad)
@@ -196,7 +197,6 @@ class ZeroOptimizer:
         if self.stage == 2:
             if bucket.grad is None:
                 bucket.grad = bucket.layout.empty(torch.float32, param.device)
-            index = next(i for i, p in enumerate(bucket.params) if p is param)
             offset = bucket.layout.offsets[index]
             bucket.grad[offset : offset + param.numel()].copy_(param.grad.reshape(-1))
             param.grad = None  # the full-size gradient lives only in the bucket in flight
@@ -205,8 +205,9 @@ class ZeroOptimizer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.work is not None or (self.stage < 2 and not self.sync):
+        if bucket.launched or (self.stage < 2 and not self.sync):
             return
+        bucket.launched = True
         if not self.distributed:  # one process (single-GPU offload): the average is the gradient
             if self.stage == 1:
                 bucket.shard_grad.copy_(bucket.grad)
@@ -233,10 +234,8 @@ class ZeroOptimizer:
         """End of backward: start what has not started (buckets with unused parameters), wait."""
         self._callback_queued = False
         for bucket in self.buckets:
-            if self.stage == 2 and bucket.grad is None and bucket.arrived == 0:
-                continue  # no gradient reached this bucket in this backward
             if self.stage == 2 and bucket.grad is None:
-                bucket.grad = bucket.layout.empty(torch.float32, bucket.flat_param.device)
+                continue  # no gradient reached this bucket in this backward
             self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
@@ -245,7 +244,7 @@ class ZeroOptimizer:
             if self.stage == 2 and bucket.reduced is not None:
                 bucket.shard_grad.add_(bucket.reduced)
                 bucket.reduced, bucket.grad = None, None
-            bucket.arrived = 0
+            bucket.arrived, bucket.launched = 0, False
 
     # -- optimizer -----------------------------------------------------------------------------
 

@@ -62,7 +62,12 @@ except ImportError:  # e.g. macOS: the kernels below are defined but never launc
     tl = types.SimpleNamespace(constexpr=None)
     _HAS_TRITON = False
 
-__all__ = ["flash_attention", "flash_attention_varlen", "SUPPORTED_HEAD_DIMS"]
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "flash_attention",
+    "flash_attention_varlen",
+    "head_dim_supported",
+]
 
 SUPPORTED_HEAD_DIMS = "multiples of 8 from 16 to 256 (32, 64, 96, 128 and 256 among them)"
 _LOG2E = 1.4426950408889634
@@ -512,7 +517,6 @@ def _bwd_kernel(
     qk_scale,
     softmax_scale,
     num_heads_kv,
-    first_program,  # 0; num_n_blocks to launch only the dq programs
     TUNE_N,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -527,7 +531,7 @@ def _bwd_kernel(
 ):
     """Programs [0, num_n_blocks) compute dk, dv of one key block (all GROUP query heads);
     programs [num_n_blocks, num_n_blocks + GROUP * num_m_blocks) compute dq of one query block."""
-    pid = tl.program_id(0) + first_program
+    pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(seqlen_k, BLOCK_N1)  # seqlen_q/k are the longest ones when packed
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M2)
     off_bh = tl.program_id(1)
@@ -786,7 +790,7 @@ def _backward(
         q, k, v, dout, lse2, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *_layout(dk),
         *_layout(dv), *stride_lse,
-        max_seqlen_q, max_seqlen_k, left, right, scale * _LOG2E, scale, heads_kv, 0,
+        max_seqlen_q, max_seqlen_k, left, right, scale * _LOG2E, scale, heads_kv,
         _tune_n(max(max_seqlen_q, max_seqlen_k)),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
         REVERSE=right < _NO_LIMIT, INTERPRET=interpret, **meta,
@@ -983,8 +987,12 @@ def _check(q, k, v, *, packed: bool) -> None:
         raise ValueError(f"q has head_dim {head_dim} but k and v have {k.shape[-1]}")
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
-    if head_dim % 8 != 0 or not 16 <= head_dim <= 256:
+    if not head_dim_supported(head_dim):
         raise ValueError(f"head_dim={head_dim} is not supported: {SUPPORTED_HEAD_DIMS}")
+
+
+def head_dim_supported(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and 16 <= head_dim <= 256
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
