@@ -4,10 +4,9 @@ import sys
 import pytest
 import torch
 
-import memfit.ops._triton
 import memfit.ops.cross_entropy as cross_entropy_module
-from memfit.ops._triton import interpreter_enabled
 from memfit.ops.cross_entropy import linear_cross_entropy
+from tests.ops.paths import kernels_on_cpu, on_path
 from tests.reference import assert_error_within, linear_cross_entropy_reference
 
 IGNORE = -100
@@ -34,29 +33,9 @@ KERNEL_CASES = [
 ]
 
 
-def kernels_on_cpu(monkeypatch, enabled: bool = True) -> None:
-    """Route CPU calls to the Triton kernels (Triton's interpreter) for the rest of the test."""
-    if enabled and not interpreter_enabled():
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 at startup (tests/conftest.py)")
-    monkeypatch.setattr(memfit.ops._triton, "_cpu_requested", enabled)
-
-
 @pytest.fixture(params=["torch", "triton"])
 def path(request, monkeypatch):
-    """Run the test on the plain-PyTorch path, or on the Triton kernel under the interpreter
-    (inside `triton_on_cpu`); check afterwards that the kernel ran or did not."""
-    if request.param == "triton":
-        pytest.importorskip("triton")
-        kernels_on_cpu(monkeypatch)
-    launches = []
-    launch = cross_entropy_module._launch_cross_entropy_rows
-    monkeypatch.setattr(
-        cross_entropy_module,
-        "_launch_cross_entropy_rows",
-        lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs),
-    )
-    yield request.param
-    assert bool(launches) == (request.param == "triton")
+    yield from on_path(request, monkeypatch, cross_entropy_module, "_launch_cross_entropy_rows")
 
 
 def make_inputs(

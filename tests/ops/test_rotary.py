@@ -5,10 +5,9 @@ import sys
 import pytest
 import torch
 
-import memfit.ops._triton
 import memfit.ops.rotary as rotary_module
-from memfit.ops._triton import interpreter_enabled
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
+from tests.ops.paths import kernels_on_cpu, on_path
 from tests.reference import assert_error_within, rotary_reference, saved_tensor_bytes
 
 LLAMA3_SCALING = {
@@ -20,29 +19,9 @@ LLAMA3_SCALING = {
 }
 
 
-def kernels_on_cpu(monkeypatch, enabled: bool = True) -> None:
-    """Route CPU calls to the Triton kernels (Triton's interpreter) for the rest of the test."""
-    if enabled and not interpreter_enabled():
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 at startup (tests/conftest.py)")
-    monkeypatch.setattr(memfit.ops._triton, "_cpu_requested", enabled)
-
-
 @pytest.fixture(params=["torch", "triton"])
 def path(request, monkeypatch):
-    """Run the test on the plain-PyTorch path, or on the Triton kernel under the interpreter
-    (inside `triton_on_cpu`); check afterwards that the kernel ran or did not."""
-    if request.param == "triton":
-        pytest.importorskip("triton")
-        kernels_on_cpu(monkeypatch)
-    launches = []
-    launch = rotary_module._launch_rotary
-    monkeypatch.setattr(
-        rotary_module,
-        "_launch_rotary",
-        lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs),
-    )
-    yield request.param
-    assert bool(launches) == (request.param == "triton")
+    yield from on_path(request, monkeypatch, rotary_module, "_launch_rotary")
 
 
 def fused_qkv(batch, seq, q_heads, kv_heads, head_dim, dtype):

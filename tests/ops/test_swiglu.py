@@ -16,34 +16,13 @@ import memfit.ops._triton
 import memfit.ops.swiglu as swiglu_module
 from memfit.ops._triton import interpreter_enabled, triton_on_cpu
 from memfit.ops.swiglu import swiglu, swiglu_backward, swiglu_forward
+from tests.ops.paths import floor_for, on_path
 from tests.reference import assert_error_within, saved_tensor_bytes, swiglu_reference
 
 
 @pytest.fixture(params=["pytorch", "triton"])
 def path(request, monkeypatch):
-    """Run the test on one path, and check that the Triton path really launched kernels."""
-    launched = []
-    if request.param == "triton":
-        pytest.importorskip("triton")
-        if not interpreter_enabled():
-            pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 at startup (tests/conftest.py)")
-        launch = swiglu_module.launch
-        monkeypatch.setattr(
-            swiglu_module,
-            "launch",
-            lambda kernel, *a, **k: (launched.append(kernel), launch(kernel, *a, **k)),
-        )
-        with triton_on_cpu():
-            yield request.param
-        assert launched, "the Triton path launched no kernel"
-    else:
-        yield request.param
-
-
-def floor_for(path: str, dtype: torch.dtype) -> float:
-    """assert_error_within's floor: its default, plus half a bf16 ulp (2**-8 relative to the
-    largest value) for bf16 under the interpreter, which truncates where the GPU rounds."""
-    return 2.0**-8 if path == "triton" and dtype == torch.bfloat16 else 1e-6
+    yield from on_path(request, monkeypatch, swiglu_module, "launch")
 
 
 def run_forward_backward(function, gate_up, grad_out):
