@@ -359,6 +359,9 @@ def _bwd_dkdv_blocks(
     delta_base,
     stride_qn,
     stride_don,
+    stride_qh,
+    stride_doh,
+    stride_lh,
     lo,
     hi,
     offs_n,
@@ -369,40 +372,49 @@ def _bwd_dkdv_blocks(
     right,
     qk_scale,
     MASKED: tl.constexpr,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Accumulate one key block's dk, dv over the query blocks [lo, hi) of one head.
-    Computed transposed (keys x queries) so the block's k and v stay the left operands."""
+    """Accumulate one key block's dk, dv over the query blocks [lo, hi) of the GROUP query
+    heads that share it (the *_base pointers are the first head's). Computed transposed (keys x
+    queries) so the block's k and v stay the left operands."""
     offs_m0 = tl.arange(0, BLOCK_M)
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
+    # One counted loop over (head, query block). A strided range(lo, hi, BLOCK_M), or a loop over
+    # heads around this one, makes ptxas serialize the wgmma pipeline of the chained loops (C7515:
+    # accumulators redefined between stages), which costs ~15% on Hopper.
+    num_blocks = tl.cdiv(hi - lo, BLOCK_M)
+    for i in range(0, GROUP * num_blocks):
+        g = i // num_blocks
+        start_m = tl.multiple_of(lo + (i - g * num_blocks) * BLOCK_M, BLOCK_M)
         offs_m = start_m + offs_m0
         row_ok = offs_m < seqlen_q
-        q_ptrs = q_base + offs_m[:, None] * stride_qn + offs_d[None, :]
-        do_ptrs = do_base + offs_m[:, None] * stride_don + offs_d[None, :]
+        q_ptrs = q_base + g * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+        do_ptrs = do_base + g * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :]
+        lse_ptrs = lse_base + g * stride_lh + offs_m
+        delta_ptrs = delta_base + g * stride_lh + offs_m
         if MASKED:
             q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
             # rows past the end get lse = +inf, so p = 0 there
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
         elif BLOCK_D != HEAD_DIM:
             q = tl.load(q_ptrs, mask=d_ok, other=0.0)
-            lse = tl.load(lse_base + offs_m)
+            lse = tl.load(lse_ptrs)
         else:
             q = tl.load(q_ptrs)
-            lse = tl.load(lse_base + offs_m)
+            lse = tl.load(lse_ptrs)
         if MASKED:
             do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
         elif BLOCK_D != HEAD_DIM:
             do = tl.load(do_ptrs, mask=d_ok, other=0.0)
-            delta = tl.load(delta_base + offs_m)
+            delta = tl.load(delta_ptrs)
         else:
             do = tl.load(do_ptrs)
-            delta = tl.load(delta_base + offs_m)
+            delta = tl.load(delta_ptrs)
         # both products first: the tensor cores compute dpT while exp2 runs
         qkT = _dot(k, tl.trans(q), None, INTERPRET)
         dpT = _dot(v, tl.trans(do), None, INTERPRET)
@@ -446,8 +458,8 @@ def _bwd_dq_blocks(
     """Accumulate one query block's dq over the key blocks [lo, hi)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    for i in range(0, tl.cdiv(hi - lo, BLOCK_N)):  # counted: see _bwd_dkdv_blocks
+        start_n = tl.multiple_of(lo + i * BLOCK_N, BLOCK_N)
         cols = start_n + offs_n0
         k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :]
         v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :]
@@ -561,27 +573,26 @@ def _bwd_kernel(
         dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
         # query rows that see this key block: the band seen from the keys' side
         lo, mid_lo, mid_hi, hi = _band(start_n, seqlen_q, -shift, right, left, BLOCK_M1, BLOCK_N1)
-        for g in range(GROUP):
-            off_h = off_hk * GROUP + g
-            q_base = Q + off_b64 * stride_qb + q_start64 * stride_qn + off_h * stride_qh
-            do_base = DO + off_b64 * stride_dob + q_start64 * stride_don + off_h * stride_doh
-            lse_base = lse_b + off_h * stride_lh
-            delta_base = delta_b + off_h * stride_lh
-            dk, dv = _bwd_dkdv_blocks(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don,
-                lo, mid_lo, offs_n, offs_d, seqlen_q, shift, left, right, qk_scale,
-                True, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
-            )  # fmt: skip
-            dk, dv = _bwd_dkdv_blocks(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don,
-                mid_lo, mid_hi, offs_n, offs_d, seqlen_q, shift, left, right, qk_scale,
-                False, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
-            )  # fmt: skip
-            dk, dv = _bwd_dkdv_blocks(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don,
-                mid_hi, hi, offs_n, offs_d, seqlen_q, shift, left, right, qk_scale,
-                True, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
-            )  # fmt: skip
+        off_h = off_hk * GROUP  # the group's first query head
+        q_base = Q + off_b64 * stride_qb + q_start64 * stride_qn + off_h * stride_qh
+        do_base = DO + off_b64 * stride_dob + q_start64 * stride_don + off_h * stride_doh
+        lse_base = lse_b + off_h * stride_lh
+        delta_base = delta_b + off_h * stride_lh
+        dk, dv = _bwd_dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, stride_qh,
+            stride_doh, stride_lh, lo, mid_lo, offs_n, offs_d, seqlen_q, shift, left, right,
+            qk_scale, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
+        )  # fmt: skip
+        dk, dv = _bwd_dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, stride_qh,
+            stride_doh, stride_lh, mid_lo, mid_hi, offs_n, offs_d, seqlen_q, shift, left, right,
+            qk_scale, False, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
+        )  # fmt: skip
+        dk, dv = _bwd_dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, stride_qh,
+            stride_doh, stride_lh, mid_hi, hi, offs_n, offs_d, seqlen_q, shift, left, right,
+            qk_scale, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
+        )  # fmt: skip
         dk = dk * softmax_scale
         dk_base = DK + off_b64 * stride_dkb + k_start64 * stride_dkn + off_hk * stride_dkh
         dv_base = DV + off_b64 * stride_dvb + k_start64 * stride_dvn + off_hk * stride_dvh
