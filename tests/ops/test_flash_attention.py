@@ -3,8 +3,11 @@ blocks, so odd lengths cover partial blocks and every masked/unmasked run), the 
 the torch.library registration and the model/planner wiring. GPU twins at real shapes:
 test_flash_attention_gpu.py."""
 
+import contextlib
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
 import memfit.functional as MF
@@ -175,6 +178,36 @@ def test_library_op_registration(on_cpu):
         (q, k, v, None, None, 20, 20, 1 << 30, 0, 32**-0.5),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+
+
+class _SeenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_and_the_op_agree(on_cpu):
+    """Eager calls skip torch.library's wrappers (their host time); under a dispatch mode
+    (selective checkpointing, fake tensors) the registered ops run. Same bits either way."""
+    q, k, v = make_qkv(1, 37, 37, 4, 2, 32, torch.float16, "cpu")
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).half()
+    results, names = [], []
+    for mode in (contextlib.nullcontext(), _SeenOps()):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with mode:
+            out = flash_attention(*leaves, causal=True)
+            out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+        names.append(type(out.grad_fn).__name__)
+    assert names[0] == "_FlashAttentionBackward" and names[1] != names[0]
+    assert torch.ops.memfit.flash_attn_forward.default in mode.ops
+    assert torch.ops.memfit.flash_attn_backward.default in mode.ops
+    for eager, op in zip(*results, strict=True):
+        assert torch.equal(eager, op)
 
 
 def test_selective_checkpointing_saves_the_flash_output():
