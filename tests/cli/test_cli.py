@@ -78,7 +78,7 @@ def test_resume_continues_the_run(tmp_path):
     [
         (["train", "--set", "train.stepz=3"], "did you mean 'train.steps'"),
         (["train", "--model", "llama-7b"], "unknown model 'llama-7b'"),
-        (["train", "--zero", "2", "--steps", "1"], "ZeRO"),
+        (["train", "--zero", "2", "--steps", "1"], "torchrun"),
         (["train", "--config", "missing.toml"], "does not exist"),
         (["generate", "no/such/run"], "no checkpoint found"),
     ],

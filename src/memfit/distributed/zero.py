@@ -251,16 +251,23 @@ class ZeroOptimizer:
     def _grads(self) -> list[Tensor]:
         return [b.grad if self.stage == 0 else b.shard_grad for b in self.buckets]
 
+    def gradients(self) -> list[Tensor]:
+        """The averaged gradients the optimizer will read, one flat tensor per bucket (this
+        rank's shard in stages 1 and 2): for loss-scale unscaling and overflow checks."""
+        return self._grads()
+
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Scale the (averaged) gradients so that their global L2 norm is at most max_norm; returns
-        the norm before clipping, the same on every rank."""
+        """Scale the (averaged) gradients so that their global L2 norm is at most max_norm (no
+        clipping when max_norm is 0 or inf); returns the norm before clipping, the same on every
+        rank."""
         grads = self._grads()
         total = torch.stack([g.float().square().sum() for g in grads]).sum()
         if self.stage >= 1 and self.distributed:  # each rank holds a disjoint shard
             dist.all_reduce(total, group=self.group)
         norm = total.sqrt()
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, scale)
+        if 0 < max_norm < math.inf:
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, scale)
         return norm
 
     @torch.no_grad()

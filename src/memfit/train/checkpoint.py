@@ -3,6 +3,8 @@
 A checkpoint is a directory `RUN/checkpoints/step_000123/` holding
     model.safetensors   the model's weights (fp32 master weights, memfit names)
     trainer.pt          optimizer, LR schedule, loss scaler, data position, RNG states, step
+      or trainer/       the same, sharded (ZeRO runs): torch.distributed.checkpoint files, each
+                        rank's part of the optimizer state written by that rank
     meta.json           model shape, tokenizer, step, and each file's size (checked on load)
     config.toml         the run's configuration
 and `RUN/checkpoints/latest` names the newest complete one.
@@ -20,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from memfit.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-_FILES = ("model.safetensors", "trainer.pt", "meta.json")
+_FILES = ("model.safetensors", "meta.json")  # and trainer.pt, or trainer/ when sharded
 
 
 class CheckpointError(RuntimeError):
@@ -69,49 +72,78 @@ def save_checkpoint(
     config_toml: str,
     tokenizer: str,
     keep: int = 2,
+    write_sharded: Callable[[Path], None] | None = None,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
 ) -> Path:
-    """Write a checkpoint for `step` atomically and prune all but the `keep` newest."""
+    """Write a checkpoint for `step` atomically and prune all but the `keep` newest.
+
+    Data-parallel runs call this on every rank: rank 0 (`is_main`) writes the model's weights,
+    the config and meta.json; `write_sharded(directory)`, when given, is called on every rank
+    between `barrier`s and writes the training state sharded (ZeRO: each rank its own part, into
+    `trainer/`) instead of trainer.pt."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
     tmp = root / f"step_{step:07d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
-    save_file(
-        weights, str(tmp / "model.safetensors"), metadata={"format": "memfit", "step": str(step)}
-    )
-    torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "config.toml").write_text(config_toml)
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "model": dataclasses.asdict(model_config),
-        "tokenizer": tokenizer,
-        "sizes": {
-            name: (tmp / name).stat().st_size for name in ("model.safetensors", "trainer.pt")
-        },
-    }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    for name in (*_FILES, "config.toml"):
-        _fsync_file(tmp / name)
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    _atomic_write_text(root / "latest", final.name + "\n")
-    _prune(root, keep)
-    logger.info("saved checkpoint %s", final)
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    if write_sharded is not None:
+        write_sharded(tmp / "trainer")
+    barrier()
+    if is_main:
+        weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+        save_file(
+            weights,
+            str(tmp / "model.safetensors"),
+            metadata={"format": "memfit", "step": str(step)},
+        )
+        if write_sharded is None:
+            torch.save(trainer_state, tmp / "trainer.pt")
+        (tmp / "config.toml").write_text(config_toml)
+        files = sorted(f for f in tmp.rglob("*") if f.is_file())
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "model": dataclasses.asdict(model_config),
+            "tokenizer": tokenizer,
+            "sizes": {
+                str(f.relative_to(tmp)): f.stat().st_size for f in files if f.name != "config.toml"
+            },
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        for f in (*files, tmp / "meta.json"):
+            _fsync_file(f)
+        for directory in {f.parent for f in files} | {tmp}:
+            _fsync_dir(directory)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _atomic_write_text(root / "latest", final.name + "\n")
+        _prune(root, keep)
+        logger.info("saved checkpoint %s", final)
+    barrier()
     return final
+
+
+def is_sharded(checkpoint: Path) -> bool:
+    """Whether the checkpoint's training state was saved sharded (ZeRO), in `trainer/`."""
+    return (checkpoint / "trainer").is_dir()
+
+
+def _complete(checkpoint: Path) -> bool:
+    return all((checkpoint / f).is_file() for f in _FILES) and (
+        (checkpoint / "trainer.pt").is_file() or (checkpoint / "trainer" / ".metadata").is_file()
+    )
 
 
 def _complete_checkpoints(root: Path) -> list[Path]:
     found = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
-    return sorted(
-        (p for p in found if all((p / f).is_file() for f in _FILES)), key=lambda p: p.name
-    )
+    return sorted((p for p in found if _complete(p)), key=lambda p: p.name)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -133,7 +165,7 @@ def find_checkpoint(path: str | Path) -> Path | None:
     latest = root / "latest"
     if latest.is_file():
         candidate = root / latest.read_text().strip()
-        if all((candidate / f).is_file() for f in _FILES):
+        if _complete(candidate):
             return candidate
         logger.warning(
             "%s names %s, which is incomplete; using the newest complete checkpoint",

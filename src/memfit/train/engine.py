@@ -25,20 +25,23 @@ import random
 import resource
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import memfit.distributed.launch as launch
 from memfit.config import Config, to_toml
+from memfit.distributed import ZeroOptimizer
 from memfit.functional import resolve_attention
 from memfit.models.config import load_model_config
 from memfit.models.llama import build_model
 from memfit.train import checkpoint as ckpt
 from memfit.train.checkpointing import apply_activation_checkpointing
 from memfit.train.data import build_data
-from memfit.train.optim import build_optimizer, build_scheduler
+from memfit.train.optim import build_optimizer, build_scheduler, make_optimizer, parameter_groups
 from memfit.train.precision import DynamicLossScaler, autocast, resolve_precision
 
 logger = logging.getLogger(__name__)
@@ -124,14 +127,28 @@ class Trainer:
     def __init__(self, config: Config) -> None:
         self.config = config
         train = config.train
-        if config.distributed.zero > 0 or config.distributed.offload != "none":
+        zero, offload = config.distributed.zero, config.distributed.offload
+        if zero == 3 or offload == "params":
             raise ConfigError(
-                f"--zero {config.distributed.zero} / --offload {config.distributed.offload}: ZeRO sharding "
-                "and offload are not in this version of memfit yet; train with --zero 0 --offload none"
+                f"--zero {zero} / --offload {offload}: parameter sharding (ZeRO stage 3) is not in "
+                "this version of memfit yet; use --zero 2 (with --offload optimizer to also move the "
+                "optimizer to CPU memory)"
             )
 
-        # 1. device, precision, seeds
-        self.device = resolve_device(train.device)
+        # 1. process group, device, precision, seeds
+        self.world, self.device = launch.init_world(
+            resolve_device(train.device), timeout_s=config.distributed.timeout_s
+        )
+        if zero > 0 and not self.world.distributed and offload == "none":
+            raise ConfigError(
+                f"--zero {zero} shards the training state across processes: launch with "
+                f"`torchrun --nproc_per_node N -m memfit train --zero {zero} ...` (N GPUs); on one "
+                "GPU, --offload optimizer keeps the optimizer in CPU memory instead"
+            )
+        try:
+            launch.check_same({"config": to_toml(config)})
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         self.precision = resolve_precision(train.precision, self.device)
         if (
             self.precision == "bf16"
@@ -157,6 +174,8 @@ class Trainer:
             seq_len=config.data.seq_len,
             micro_batch=train.micro_batch,
             seed=train.seed,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
             jsonl_field=config.data.jsonl_field,
         )
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -188,8 +207,19 @@ class Trainer:
             for block in self.model.layers:
                 block.compile()
 
-        # 5. optimizer, schedule, loss scaler
-        self.optimizer = build_optimizer(self.model, train)
+        # 5. optimizer (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
+        self.zero: ZeroOptimizer | None = None
+        if self.world.distributed or offload == "optimizer":
+            step_device = torch.device("cpu") if offload == "optimizer" else self.device
+            self.zero = ZeroOptimizer(
+                parameter_groups(self.model, train.weight_decay),
+                lambda groups: make_optimizer(groups, train, step_device),
+                stage=zero,
+                offload=offload == "optimizer",
+            )
+            self.optimizer = self.zero.optimizer
+        else:
+            self.optimizer = build_optimizer(self.model, train)
         self.scheduler = build_scheduler(self.optimizer, train)
         ls = config.loss_scale
         self.scaler = DynamicLossScaler(
@@ -204,7 +234,12 @@ class Trainer:
         self.consecutive_skips = 0
         if config.checkpoint.resume and not config.checkpoint.out:
             raise ConfigError("--resume needs --out DIR, the run directory to continue")
-        self.run_dir = Path(config.checkpoint.out or default_run_dir(self.model_config.name))
+        run_dir = config.checkpoint.out or default_run_dir(self.model_config.name)
+        if self.world.distributed:  # one run directory: rank 0's default name
+            shared = [run_dir]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            run_dir = shared[0]
+        self.run_dir = Path(run_dir)
         if not config.checkpoint.resume and ckpt.find_checkpoint(self.run_dir) is not None:
             raise ConfigError(
                 f"{str(self.run_dir)!r} already holds a run with checkpoints; pass --resume to continue it, "
@@ -220,30 +255,49 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self, *, optimizer: bool = True) -> dict[str, Any]:
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "data": self.batches.state_dict(),
             "rng_cpu": torch.get_rng_state(),
         }
+        if optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
         if self.device.type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
+    def _barrier(self) -> None:
+        if self.world.distributed:
+            torch.distributed.barrier()
+
     def save(self) -> Path:
+        """A checkpoint of the current step (every rank calls it in a data-parallel run). ZeRO
+        runs save the optimizer sharded, each rank its part (memfit.distributed.checkpoint)."""
+        write_sharded = None
+        if self.zero is not None:
+            from memfit.distributed.checkpoint import save_zero
+
+            extra = self.trainer_state(optimizer=False)
+
+            def write_sharded(directory: Path) -> None:
+                save_zero(directory, self.model, self.zero, extra=extra)
+
         return ckpt.save_checkpoint(
             self.run_dir,
             step=self.step,
             model=self.model,
             model_config=self.model_config,
-            trainer_state=self.trainer_state(),
+            trainer_state=self.trainer_state() if write_sharded is None else {},
             config_toml=to_toml(self.config),
             tokenizer=self.config.data.tokenizer,
             keep=self.config.checkpoint.keep,
+            write_sharded=write_sharded,
+            is_main=self.world.is_main,
+            barrier=self._barrier,
         )
 
     def _resume(self) -> None:
@@ -253,9 +307,25 @@ class Trainer:
             return
         meta = ckpt.read_meta(checkpoint)
         ckpt.check_model_matches(meta, self.model_config, checkpoint)
-        ckpt.load_model_weights(checkpoint, self.model)
-        state = ckpt.load_trainer_state(checkpoint)
-        self.optimizer.load_state_dict(state["optimizer"])
+        sharded = ckpt.is_sharded(checkpoint)
+        if sharded and self.zero is None:
+            raise ConfigError(
+                f"{str(checkpoint)!r} holds a ZeRO run's sharded optimizer state: resume it with "
+                "--zero under torchrun (any number of processes), or --offload optimizer on one"
+            )
+        if not sharded and self.zero is not None:
+            raise ConfigError(
+                f"{str(checkpoint)!r} was saved without ZeRO: resume it without --zero/--offload "
+                "(its weights alone load anywhere: `memfit generate`, or a fresh run from them)"
+            )
+        if sharded:
+            from memfit.distributed.checkpoint import load_zero
+
+            state = load_zero(checkpoint / "trainer", self.model, self.zero)
+        else:
+            ckpt.load_model_weights(checkpoint, self.model)
+            state = ckpt.load_trainer_state(checkpoint)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.batches.load_state_dict(state["data"])
@@ -276,31 +346,53 @@ class Trainer:
         micro_batches = [next(self.batches) for _ in range(train.grad_accum)]
         num_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in micro_batches:
+        for index, (inputs, targets) in enumerate(micro_batches):
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            with autocast(self.precision, self.device):
-                loss = self.model(inputs, targets) / num_tokens
-            self.scaler.scale(loss).backward()
+            last = index == len(micro_batches) - 1
+            # ZeRO: communicate once per step, on the last micro-batch's backward
+            sync = self.zero.no_sync() if self.zero is not None and not last else nullcontext()
+            with sync:
+                with autocast(self.precision, self.device):
+                    # per rank, the mean over its tokens; the ranks' gradients are then averaged
+                    loss = self.model(inputs, targets) / num_tokens
+                self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
 
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        finite = self.scaler.unscale_and_check(params)
-        grad_norm = torch.zeros((), device=self.device)
-        if finite:
-            if train.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=True)
-            else:
-                grad_norm = torch.linalg.vector_norm(
-                    torch.stack([p.grad.norm() for p in params if p.grad is not None])
-                )
-            self.optimizer.step()
+        if self.zero is not None:
+            finite = self.scaler.unscale_and_check_grads(
+                self.zero.gradients(), across_ranks=self.world.distributed
+            )
+            grad_norm = torch.zeros((), device=self.device)
+            if finite:
+                grad_norm = self.zero.clip_grad_norm_(train.grad_clip)
+                self.zero.step()
+            self.zero.zero_grad()
+        else:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            finite = self.scaler.unscale_and_check(params)
+            grad_norm = torch.zeros((), device=self.device)
+            if finite:
+                if train.grad_clip > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        params, train.grad_clip, foreach=True
+                    )
+                else:
+                    grad_norm = torch.linalg.vector_norm(
+                        torch.stack([p.grad.norm() for p in params if p.grad is not None])
+                    )
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         if finite:  # a skipped step does not advance the schedule
             self.scheduler.step()
 
+        if self.world.distributed:  # the step's loss and tokens over all ranks
+            totals = torch.stack([loss_sum, torch.tensor(float(num_tokens), device=self.device)])
+            torch.distributed.all_reduce(totals)
+            loss_sum = totals[0] / self.world.world_size
+            num_tokens = int(totals[1].item())
         loss_value = loss_sum.item()  # the one host sync of the step
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -343,7 +435,10 @@ class Trainer:
         step metrics."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = self.run_dir / "metrics.jsonl"
-        self._prepare_metrics_file(metrics_path)
+        if self.world.is_main:  # one metrics file per run, written by rank 0
+            self._prepare_metrics_file(metrics_path)
+        else:
+            metrics_path = Path(os.devnull)
         every = self.config.checkpoint.save_every
         history: list[StepMetrics] = []
         with metrics_path.open("a") as metrics_file:

@@ -29,7 +29,14 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
     groups = parameter_groups(model, train.weight_decay)
-    device = next(model.parameters()).device
+    return make_optimizer(groups, train, next(model.parameters()).device)
+
+
+def make_optimizer(
+    groups: list[dict], train: TrainSection, device: torch.device
+) -> torch.optim.Optimizer:
+    """The configured optimizer over `groups` (tensors on `device`): fused AdamW on CUDA,
+    foreach elsewhere (e.g. ZeRO-Offload's CPU step)."""
     if train.optimizer == "adamw":
         fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
         return torch.optim.AdamW(

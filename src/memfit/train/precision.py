@@ -82,16 +82,26 @@ class DynamicLossScaler:
 
         One fused multiply and one finiteness reduction over all gradients (foreach kernels),
         then a single host sync for the decision."""
-        grads = [p.grad for p in params if p.grad is not None]
+        return self.unscale_and_check_grads([p.grad for p in params if p.grad is not None])
+
+    @torch.no_grad()
+    def unscale_and_check_grads(self, grads: list[Tensor], *, across_ranks: bool = False) -> bool:
+        """unscale_and_check on gradient tensors themselves (e.g. ZeRO's flat shards). With
+        across_ranks, an overflow on any rank of the process group counts on all of them, so
+        that every rank skips the same steps and keeps the same scale."""
         if not self.enabled:
             self.found_inf = False
             return True
+        found = torch.zeros((), dtype=torch.bool, device=grads[0].device if grads else "cpu")
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale_value)
             norms = torch._foreach_norm(grads, float("inf"))
-            self.found_inf = not bool(torch.isfinite(torch.stack(norms)).all())
-        else:
-            self.found_inf = False
+            found = ~torch.isfinite(torch.stack(norms)).all()
+        if across_ranks:
+            from memfit.distributed.launch import agree
+
+            found = agree(found)
+        self.found_inf = bool(found)
         return not self.found_inf
 
     def update(self) -> None:
