@@ -1,0 +1,261 @@
+"""Data-parallel training on N GPUs: memfit's ZeRO stages against torch DDP and FSDP2.
+
+    python benchmarks/zero.py --gpus 2                      # llama-1b mb4 and llama-2-7b mb2 full
+    python benchmarks/zero.py --gpus 2 --presets llama-1b --systems ddp zero1 fsdp2
+
+Each (preset, system) runs as its own `torchrun --nproc_per_node N` job on the same inputs (the
+built-in data, seq 2048): memfit systems are `memfit train` as the engine runs it (`--zero S`,
+bf16 autocast over fp32 master weights, fused AdamW, blocks compiled unless checkpointed); `ddp`
+is torch DistributedDataParallel around the same model, same autocast, same optimizer; `fsdp2`
+is torch's `fully_shard` per transformer block and on the root, bf16 parameters and fp32
+gradient reduction (the settings of ../shared/ANCHORS.md). Recorded per run: tokens/s per GPU
+(median step after warm-up), peak allocated bytes per rank, and for memfit the planner's peak per
+rank for the same strategy. Results: benchmarks/results/zero.json (`--out DIR` elsewhere).
+
+NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0 and friends), as the GPU machines
+need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+PRESETS = {  # name: (micro_batch, checkpointing)
+    "llama-1b": (4, "none"),
+    "llama-2-7b": (2, "full"),
+}
+SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "fsdp2")
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=8)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per (preset, system) job")
+    p.add_argument("--out", type=Path, default=harness.RESULTS)
+    p.add_argument(
+        "--worker", nargs=3, metavar=("PRESET", "SYSTEM", "RESULT"), help=argparse.SUPPRESS
+    )
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# inside torchrun: one (preset, system)
+
+
+def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[float], int, dict]:
+    from memfit.config import build_config
+    from memfit.planner import Strategy, plan
+    from memfit.train.engine import Trainer
+
+    micro_batch, checkpointing = PRESETS[preset]
+    zero = int(system.removeprefix("zero"))
+    config = build_config(
+        flags={
+            "model": {"name": preset},
+            "data": {"seq_len": args.seq_len},
+            "train": {
+                "steps": args.warmup + args.repeat,
+                "micro_batch": micro_batch,
+                "checkpointing": checkpointing,
+                "precision": "bf16",
+                "device": "cuda",
+            },
+            "distributed": {"zero": zero},
+            "checkpoint": {"out": run_dir},
+        }
+    )
+    trainer = Trainer(config)
+    times = []
+    for _ in range(args.warmup + args.repeat):
+        metrics = trainer.train_step()
+        times.append(metrics.step_time_s)
+    world = torch.distributed.get_world_size()
+    strategy = Strategy(
+        precision="bf16", micro_batch=micro_batch, seq_len=args.seq_len,
+        checkpointing=checkpointing, zero=zero, world_size=world,
+    )  # fmt: skip
+    planned = plan(trainer.model_config, strategy)
+    tokens = micro_batch * args.seq_len
+    return times[args.warmup :], tokens, {"planned_peak_bytes": planned.peak_bytes}
+
+
+def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int, dict]:
+    import torch.distributed as dist
+
+    from memfit.models.config import load_model_config
+    from memfit.models.llama import build_model
+    from memfit.train.checkpointing import apply_activation_checkpointing
+    from memfit.train.optim import parameter_groups
+
+    micro_batch, checkpointing = PRESETS[preset]
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    model_config = load_model_config(preset)
+    model = build_model(model_config, device=device, attention="sdpa", seed=0)
+    apply_activation_checkpointing(model, checkpointing)
+    if (
+        checkpointing == "none"
+    ):  # compiled blocks, as memfit runs them (torchtitan's order for FSDP2)
+        for index, block in enumerate(model.layers):
+            model.layers[index] = torch.compile(block)
+    if system == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        autocast = True
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        autocast = False
+    groups = parameter_groups(model, 0.1)
+    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    generator = torch.Generator(device=device).manual_seed(dist.get_rank())
+    vocab = model_config.vocab_size
+
+    def step() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens = torch.randint(
+            0, vocab, (micro_batch, args.seq_len + 1), device=device, generator=generator
+        )
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    times = [step() for _ in range(args.warmup + args.repeat)]
+    return times[args.warmup :], micro_batch * args.seq_len, {}
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    preset, system, result_path = args.worker
+    run_dir = tempfile.mkdtemp(prefix="memfit-zero-")
+    try:
+        if system.startswith("zero"):
+            times, tokens, extra = _memfit_worker(args, preset, system, run_dir)
+        else:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl")
+            times, tokens, extra = _torch_worker(args, preset, system)
+        peak = torch.cuda.max_memory_allocated()
+        peaks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak)
+        if dist.get_rank() == 0:
+            step_s = statistics.median(times)
+            record = {
+                "model": preset, "system": system, "gpus": dist.get_world_size(),
+                "micro_batch": PRESETS[preset][0], "checkpointing": PRESETS[preset][1],
+                "seq_len": args.seq_len, "step_s": step_s, "step_times_s": times,
+                "tokens_per_s_per_gpu": tokens / step_s, "peak_allocated_per_rank": peaks, **extra,
+            }  # fmt: skip
+            Path(result_path).write_text(json.dumps(record))
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+
+
+def run_job(args, preset: str, system: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={args.gpus}", __file__, "--worker", preset, system, str(result),
+            "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
+            "--repeat", str(args.repeat),
+        ]  # fmt: skip
+        env = {**os.environ, **SAFE_ENV}
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired:
+            return {"model": preset, "system": system, "error": f"timed out after {args.timeout} s"}
+        if proc.returncode != 0 or not result.exists():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
+            error = next(
+                (line for line in reversed(tail) if "Error" in line), tail[-1] if tail else ""
+            )
+            print("\n".join(tail), file=sys.stderr)
+            return {"model": preset, "system": system, "error": error[:300]}
+        record = json.loads(result.read_text())
+        record["wall_s"] = round(time.perf_counter() - started, 1)
+        return record
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    if torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"benchmarks/zero.py --gpus {args.gpus} needs that many CUDA GPUs")
+    run = {
+        "benchmark": "zero",
+        "env": harness.environment(),
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "records": [],
+    }
+    for preset in args.presets:
+        for system in args.systems:
+            record = run_job(args, preset, system)
+            run["records"].append(record)
+            peaks = record.get("peak_allocated_per_rank") or []
+            print(
+                f"{preset:11s} {system:6s} "
+                + (f"error: {record['error']}" if "error" in record else
+                   f"{record['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  peak/rank "
+                   + " ".join(f"{p / 2**30:.1f}" for p in peaks) + " GiB"
+                   + (f"  planned {record['planned_peak_bytes'] / 2**30:.1f} GiB" if "planned_peak_bytes" in record else "")),
+                flush=True,
+            )  # fmt: skip
+    if args.out.resolve() != harness.RESULTS.resolve():
+        args.out.mkdir(parents=True, exist_ok=True)
+        seed = harness.RESULTS / "zero.json"
+        if seed.exists() and not (args.out / "zero.json").exists():
+            shutil.copy(seed, args.out / "zero.json")
+        harness.RESULTS = args.out
+    print("wrote", harness.append_results("zero", run))
+
+
+if __name__ == "__main__":
+    main()
