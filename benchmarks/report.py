@@ -386,6 +386,46 @@ def attention_window_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+_SYSTEM_NAMES = {
+    "ddp": "torch DDP",
+    "zero0": "**memfit ZeRO-0** (data parallel)",
+    "zero1": "**memfit ZeRO-1**",
+    "zero2": "**memfit ZeRO-2**",
+    "zero3": "**memfit ZeRO-3**",
+    "fsdp2": "torch FSDP2 (`fully_shard` per block)",
+}
+
+
+def zero_table(run: dict) -> str:
+    """Data-parallel systems per preset: tokens/s per GPU, peak per rank, planned peak."""
+    records = run["records"]
+    gpus = next((r["gpus"] for r in records if "gpus" in r), "?")
+    lines = [
+        _env_line(run, f"{gpus} GPUs, seq 2048, bf16 autocast, median of {run['repeat']} steps "
+                  f"after {run['warmup']} warm-up steps; peak = max_memory_allocated per rank."),
+        "",
+        "| model | micro-batch | checkpointing | system | tokens/s per GPU | vs DDP | peak per rank "
+        "(GiB) | memfit planned (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    ddp = {r["model"]: r.get("tokens_per_s_per_gpu") for r in records if r["system"] == "ddp"}
+    for r in records:
+        name = _SYSTEM_NAMES.get(r["system"], r["system"])
+        if "error" in r:
+            lines.append(f"| {r['model']} | | | {name} | {r['error'][:80]} | | | |")
+            continue
+        speed = r["tokens_per_s_per_gpu"]
+        base = ddp.get(r["model"])
+        ratio = f"{speed / base:.2f}x" if base else "-"
+        peak = max(r["peak_allocated_per_rank"])
+        planned = _gib(r["planned_peak_bytes"]) if "planned_peak_bytes" in r else "-"
+        lines.append(
+            f"| {r['model']} | {r['micro_batch']} | {r['checkpointing']} | {name} | {speed:,.0f} "
+            f"| {ratio} | {_gib(peak)} | {planned} |"
+        )
+    return "\n".join(lines)
+
+
 def _has(key: str) -> Callable[[dict], bool]:
     return lambda run: bool(run.get(key))
 
@@ -403,6 +443,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
         lambda run: not plain_train_run(run),
         True,
     ),
+    "zero": ("zero", zero_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -161,31 +162,41 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     preset, system, result_path = args.worker
-    run_dir = tempfile.mkdtemp(prefix="memfit-zero-")
+    run_dir = str(Path(result_path).parent / "run")  # the same on every rank (settings must match)
     try:
-        if system.startswith("zero"):
-            times, tokens, extra = _memfit_worker(args, preset, system, run_dir)
-        else:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl")
-            times, tokens, extra = _torch_worker(args, preset, system)
-        peak = torch.cuda.max_memory_allocated()
-        peaks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak)
-        if dist.get_rank() == 0:
-            step_s = statistics.median(times)
-            record = {
-                "model": preset, "system": system, "gpus": dist.get_world_size(),
-                "micro_batch": PRESETS[preset][0], "checkpointing": PRESETS[preset][1],
-                "seq_len": args.seq_len, "step_s": step_s, "step_times_s": times,
-                "tokens_per_s_per_gpu": tokens / step_s, "peak_allocated_per_rank": peaks, **extra,
-            }  # fmt: skip
-            Path(result_path).write_text(json.dumps(record))
-        dist.barrier()
+        _work(args, preset, system, result_path, run_dir)
+    except BaseException:
+        rank = os.environ.get("RANK", "0")
+        Path(f"{result_path}.rank{rank}.err").write_text(traceback.format_exc())
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> None:
+    import torch.distributed as dist
+
+    if system.startswith("zero"):
+        times, tokens, extra = _memfit_worker(args, preset, system, run_dir)
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        times, tokens, extra = _torch_worker(args, preset, system)
+    peak = torch.cuda.max_memory_allocated()
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    if dist.get_rank() == 0:
+        step_s = statistics.median(times)
+        record = {
+            "model": preset, "system": system, "gpus": dist.get_world_size(),
+            "micro_batch": PRESETS[preset][0], "checkpointing": PRESETS[preset][1],
+            "seq_len": args.seq_len, "step_s": step_s, "step_times_s": times,
+            "tokens_per_s_per_gpu": tokens / step_s, "peak_allocated_per_rank": peaks, **extra,
+        }  # fmt: skip
+        Path(result_path).write_text(json.dumps(record))
+    dist.barrier()
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,12 +221,11 @@ def run_job(args, preset: str, system: str) -> dict:
         except subprocess.TimeoutExpired:
             return {"model": preset, "system": system, "error": f"timed out after {args.timeout} s"}
         if proc.returncode != 0 or not result.exists():
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
-            error = next(
-                (line for line in reversed(tail) if "Error" in line), tail[-1] if tail else ""
-            )
-            print("\n".join(tail), file=sys.stderr)
-            return {"model": preset, "system": system, "error": error[:300]}
+            errors = sorted(Path(tmp).glob("result.json.rank*.err"))
+            text = errors[0].read_text() if errors else proc.stdout + proc.stderr
+            print(text[-3000:], file=sys.stderr)
+            lines = text.strip().splitlines()
+            return {"model": preset, "system": system, "error": (lines[-1] if lines else "")[:300]}
         record = json.loads(result.read_text())
         record["wall_s"] = round(time.perf_counter() - started, 1)
         return record

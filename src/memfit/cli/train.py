@@ -61,6 +61,8 @@ def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
     if auto:
         config = choose_strategy(config, console)
     trainer = Trainer(config)
+    if not trainer.world.is_main:  # torchrun: rank 0 reports for the run
+        console.quiet = True
     mc = trainer.model_config
     console.print(
         f"[bold]memfit train[/] model [cyan]{mc.name}[/] ({format_params(mc.num_params)} params) on "
