@@ -18,12 +18,15 @@ from memfit.train.engine import ConfigError, Trainer
 STEPS = 3
 
 
-def config(tmp, *, micro_batch, grad_accum=1, zero=0, offload="none", lr=3e-3, name="run"):
+def config(
+    tmp, *, micro_batch, grad_accum=1, zero=0, offload="none", lr=3e-3, name="run", steps=STEPS,
+    resume=False,
+):  # fmt: skip
     return build_config(
         flags={
             "data": {"seq_len": 32},
             "train": {
-                "steps": STEPS,
+                "steps": steps,
                 "micro_batch": micro_batch,
                 "grad_accum": grad_accum,
                 "warmup_steps": 1,
@@ -32,7 +35,7 @@ def config(tmp, *, micro_batch, grad_accum=1, zero=0, offload="none", lr=3e-3, n
                 "lr": lr,
             },
             "distributed": {"zero": zero, "offload": offload, "timeout_s": 120},
-            "checkpoint": {"out": os.path.join(tmp, name)},
+            "checkpoint": {"out": os.path.join(tmp, name), "resume": resume},
         }
     )
 
@@ -53,8 +56,13 @@ def _worker(rank, world_size, port, tmp, kwargs, queue):
         if rank == 1 and "rank1_lr" in per_rank:
             per_rank["lr"] = per_rank.pop("rank1_lr")
         per_rank.pop("rank1_lr", None)
+        stop_at = per_rank.pop("stop_at", None)
         trainer = Trainer(config(tmp, **per_rank))
-        losses = [trainer.train_step().loss for _ in range(STEPS)]
+        if stop_at:  # interrupted: a checkpoint after stop_at of the configured steps
+            losses = [trainer.train_step().loss for _ in range(stop_at)]
+            trainer.save()
+        else:
+            losses = [trainer.train_step().loss for _ in range(STEPS)]
         # numpy arrays travel by value (tensors would need this process alive to be read)
         params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
         queue.put((rank, "ok", losses, params if rank == 0 else None))
@@ -125,3 +133,21 @@ def test_offload_on_one_process_trains_like_the_plain_optimizer(tmp_path):
     for _ in range(STEPS):
         assert offload.train_step().loss == pytest.approx(plain.train_step().loss, rel=1e-5)
     assert offload.zero is not None and offload.zero.offload
+
+
+def test_a_two_rank_zero_run_resumes_on_one_process(tmp_path):
+    """Saved sharded at 2 ranks (ZeRO-1, step 2 of 3), resumed by one process (ZeRO-Offload, the
+    same windows per step): the last step equals an uninterrupted run's."""
+    results = run_two(tmp_path, micro_batch=2, zero=1, stop_at=2)
+    assert all(r[0] == "ok" for r in results.values()), results
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002"
+    assert (checkpoint / "trainer" / ".metadata").is_file()
+    with pytest.raises(ConfigError, match="sharded optimizer state"):
+        Trainer(config(str(tmp_path), micro_batch=4, resume=True))
+    resumed = Trainer(config(str(tmp_path), micro_batch=4, offload="optimizer", resume=True))
+    assert resumed.step == 2
+    last = resumed.train_step().loss
+    ref_losses, ref_params = reference(tmp_path, micro_batch=4)
+    assert last == pytest.approx(ref_losses[-1], rel=1e-5)
+    for name, param in resumed.model.named_parameters():
+        torch.testing.assert_close(param.detach(), ref_params[name], rtol=1e-4, atol=1e-4)
