@@ -1,0 +1,405 @@
+"""Sharded checkpoints of a ZeroOptimizer through torch.distributed.checkpoint (DCP), loadable at
+any world size and ZeRO stage.
+
+A checkpoint is a DCP directory: `.metadata` (written last, by rank 0: a directory without it is
+incomplete) and one `__<rank>_0.distcp` file per saving rank. Its entries, by memfit parameter
+name (`model.named_parameters()`):
+
+    model.<name>              the parameter, whole. Every rank holds it (stages 0-2); DCP writes
+                              each replicated plain tensor once, spreading them over the ranks
+    optim.state.<name>.<key>  a per-element optimizer state (AdamW exp_avg, exp_avg_sq; SGD
+                              momentum_buffer): 1-D, the parameter's numel, one chunk per rank
+                              that holds a piece of the parameter in its shard
+                              a scalar state (AdamW step): 0-d, written once
+    optim.param_groups        per group: its hyperparameters and parameter names (rank 0's)
+    extra                     the caller's dict (scheduler, scaler, counters...; rank 0's)
+    memfit                    format version, world size and stage at save
+
+The optimizer state is saved and loaded per rank: a rank writes only the slices its shard holds
+(`FlatLayout.pieces`) and, on load, asks only for the slices its new shard holds; DCP reads the
+overlaps of the saved chunks with them. No rank materializes the full optimizer state (stage 0
+holds it whole by design; it still writes only its slices, so that the writing is spread).
+
+Why ShardedTensor: a flat bucket gives each rank an arbitrary piece of each parameter (all of
+it, none, or a slice at any offset), decided by the bucket layout, not by the parameter. DTensor
+derives each rank's chunk of a dimension from its placements (torch.chunk's rule); it cannot say
+"elements [37, 91) live on rank 1". ShardedTensor carries explicit offsets and sizes per chunk
+(ShardMetadata), DCP writes each rank's local shards as chunks of one global tensor and reshards
+on load by chunk overlap. It was DCP's first sharded type and DCP still handles it in 2.13, though
+torch marks ShardedTensor deprecated in favour of DTensor (the warnings are silenced here); should
+it go, only `_sharded` changes (to DCP's checkpointable protocol, or DTensor once it can express
+uneven chunks), not the files. The tensors are built with
+`_init_from_local_shards_and_global_metadata`, without communication: every rank computes all
+ranks' pieces from the layout (`init_from_local_shards` would all-gather the shard metadata once
+per tensor). They exist only for the duration of a save or load.
+
+Without a process group (one process, e.g. single-GPU offload) or at world size 1 everything is
+plain tensors, and DCP runs without collectives (`no_dist`, torch >= 2.7).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from memfit.distributed.flat import Piece
+from memfit.distributed.zero import ZeroOptimizer, _Bucket
+
+__all__ = ["export_safetensors", "load_zero", "save_zero"]
+
+FORMAT_VERSION = 1
+_MODEL, _STATE = "model.", "optim.state."
+# How the optimizer runs here (kernel choice, graph capture), not training state: a checkpoint
+# from fused CUDA AdamW loads into a foreach CPU (offload) one.
+_RUNTIME_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def save_zero(
+    path: str | Path, model: nn.Module, zero: ZeroOptimizer, extra: dict | None = None
+) -> None:
+    """Write `model`'s parameters and `zero`'s optimizer state (sharded) to the DCP directory
+    `path`; `extra` is saved as rank 0 has it. Every rank of `zero`'s group calls it."""
+    names = _names(model, zero)
+    state: dict[str, Any] = {
+        _MODEL + name: param.detach() for name, param in model.named_parameters()
+    }
+    for bucket, param in zip(zero.buckets, _optimizer_params(zero), strict=True):
+        for key, value in zero.optimizer.state.get(param, {}).items():
+            state.update(_state_entries(zero, bucket, names, key, value, param))
+    if zero.rank == 0:
+        state["optim.param_groups"] = _pack(_groups(zero, names))
+        state["extra"] = _pack(dict(extra or {}))
+        state["memfit"] = _pack(
+            {"format_version": FORMAT_VERSION, "world_size": zero.world_size, "stage": zero.stage}
+        )
+    with _quiet():
+        dcp.save(
+            state, checkpoint_id=str(path), process_group=zero.group, no_dist=not zero.distributed
+        )
+
+
+def load_zero(path: str | Path, model: nn.Module, zero: ZeroOptimizer) -> dict:
+    """Load a `save_zero` checkpoint into `model` and `zero`, built already, of any world size,
+    stage and offload setting; returns the saved `extra`. Every rank of `zero`'s group calls
+    it, between steps (gradients are left as they are). A checkpoint of other parameters or
+    parameter groups raises ValueError before anything is loaded."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    names = _names(model, zero)
+    params = dict(model.named_parameters())
+    missing = [name for name in params if _MODEL + name not in saved]
+    unexpected = sorted(
+        key[len(_MODEL) :]
+        for key in saved
+        if key.startswith(_MODEL) and key[len(_MODEL) :] not in params
+    )
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    # the small objects first, so that a checkpoint that does not fit changes nothing
+    header = {key: b"" for key in ("memfit", "optim.param_groups", "extra")}
+    _dcp_load(header, path, zero)
+    version = _unpack(header["memfit"])["format_version"]
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {str(path)!r} has format version {version}; this memfit reads up to "
+            f"{FORMAT_VERSION}"
+        )
+    saved_groups = _unpack(header["optim.param_groups"])
+    current = _groups(zero, names)
+    if [g["param_names"] for g in saved_groups] != [g["param_names"] for g in current]:
+        raise ValueError(
+            f"checkpoint {str(path)!r} groups the parameters for the optimizer differently: "
+            f"{[len(g['param_names']) for g in saved_groups]} parameters per group saved, "
+            f"{[len(g['param_names']) for g in current]} here (or other parameters)"
+        )
+    request: dict[str, Any] = {_MODEL + name: p.detach() for name, p in params.items()}
+    saved_states: dict[str, dict[str, Any]] = {}
+    for key, meta in saved.items():
+        if key.startswith(_STATE):
+            name, state_key = key[len(_STATE) :].rsplit(".", 1)
+            saved_states.setdefault(name, {})[state_key] = meta
+    states = [  # per bucket: {state key: flat tensor, or the fqns of a per-parameter scalar}
+        _request_states(zero, bucket, names, saved_states, param, request)
+        for bucket, param in zip(zero.buckets, _optimizer_params(zero), strict=True)
+    ]
+    _dcp_load(request, path, zero)  # the parameters in place: into the flat buffers
+    if zero.offload:
+        for bucket in zero.buckets:
+            bucket.cpu_shard.copy_(bucket.shard)
+    for found in states:
+        for key, value in found.items():
+            if isinstance(value, list):
+                found[key] = _one(key, [request[fqn] for fqn in value])
+    _load_optimizer(zero, saved_groups, states)
+    return _unpack(header["extra"])
+
+
+def export_safetensors(path: str | Path, out: str | Path) -> Path:
+    """The model weights of the DCP checkpoint `path`, whole, as the safetensors file `out`
+    (memfit names). Runs in one process, with or without a process group."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    weights = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in saved.items()
+        if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not weights:
+        raise ValueError(f"{str(path)!r} holds no model weights (no {_MODEL}* entries)")
+    with _quiet():
+        dcp.load(weights, checkpoint_id=str(path), no_dist=True)
+    out = Path(out)
+    save_file(
+        {key[len(_MODEL) :]: tensor.contiguous() for key, tensor in weights.items()},
+        str(out),
+        metadata={"format": "memfit"},
+    )
+    return out
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+def _state_entries(
+    zero: ZeroOptimizer,
+    bucket: _Bucket,
+    names: dict[int, str],
+    key: str,
+    value: Any,
+    param: Tensor,
+) -> Iterator[tuple[str, Any]]:
+    """DCP entries for one optimizer state of one bucket, per parameter."""
+    if isinstance(value, Tensor) and value.dim() == 1 and value.shape == param.shape:
+        # the state tensor is the shard (stage 0: the whole bucket, where this shard starts at
+        # bucket.start); piece.shard_start counts from the start of the shard
+        base = bucket.start if _whole_bucket(zero) else 0
+        if zero.world_size == 1:
+            for index, p in enumerate(bucket.params):
+                offset = bucket.layout.offsets[index]
+                yield _STATE + f"{names[id(p)]}.{key}", value[offset : offset + p.numel()]
+            return
+        chunks = _chunks(zero, bucket)
+        for index, p in enumerate(bucket.params):
+            mine = chunks[index].get(zero.rank)
+            local = None
+            if mine is not None:
+                local = value[base + mine.shard_start : base + mine.shard_start + mine.numel]
+            fqn = _STATE + f"{names[id(p)]}.{key}"
+            yield fqn, _sharded(zero, p.numel(), chunks[index], local, value)
+    elif isinstance(value, Tensor) and value.dim() == 0:
+        for p in bucket.params:  # the same on every rank: DCP writes one copy
+            yield _STATE + f"{names[id(p)]}.{key}", value
+    elif isinstance(value, Tensor):
+        raise ValueError(
+            f"optimizer state {key!r} has shape {tuple(value.shape)}: ZeRO checkpoints take "
+            f"states shaped like the shard ({tuple(param.shape)}) or scalars"
+        )
+    elif value is not None:
+        for p in bucket.params:
+            yield _STATE + f"{names[id(p)]}.{key}", _pack(value)
+
+
+def _chunks(zero: ZeroOptimizer, bucket: _Bucket) -> list[dict[int, Piece]]:
+    """Per parameter of `bucket`: rank -> the piece of it in that rank's shard."""
+    found: list[dict[int, Piece]] = [{} for _ in bucket.params]
+    for rank in range(zero.world_size):
+        for piece in bucket.layout.pieces(rank):
+            found[piece.index][rank] = piece
+    return found
+
+
+def _sharded(
+    zero: ZeroOptimizer, numel: int, chunks: dict[int, Piece], local: Tensor | None, like: Tensor
+) -> Tensor:
+    """A parameter's state as a 1-D ShardedTensor of `numel` elements whose chunks are its
+    pieces in the shards of the ranks (`chunks`); `local` is this rank's piece (or None)."""
+    if numel == 0:
+        return torch.empty(0, dtype=like.dtype)
+    shards = [
+        ShardMetadata(
+            [piece.param_start], [piece.numel], f"rank:{_global(zero, rank)}/{like.device}"
+        )
+        for rank, piece in sorted(chunks.items())
+    ]
+    local_shards = []
+    if local is not None:
+        local_shards.append(Shard(local, shards[sorted(chunks).index(zero.rank)]))
+    pinned = local is not None and local.is_pinned()
+    properties = TensorProperties(dtype=like.dtype, layout=torch.strided, pin_memory=pinned)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards,
+        ShardedTensorMetadata(shards, torch.Size([numel]), properties),
+        process_group=zero.group,
+        sharding_spec=EnumerableShardingSpec(shards),
+    )
+
+
+def _groups(zero: ZeroOptimizer, names: dict[int, str]) -> list[dict]:
+    found = []
+    for group_index, group in enumerate(zero.optimizer.param_groups):
+        options = {k: v for k, v in group.items() if k != "params"}
+        params = [
+            names[id(p)] for b in zero.buckets if b.group_index == group_index for p in b.params
+        ]
+        found.append({"options": options, "param_names": sorted(params)})
+    return found
+
+
+# -- load ------------------------------------------------------------------------------------
+
+
+def _request_states(
+    zero: ZeroOptimizer,
+    bucket: _Bucket,
+    names: dict[int, str],
+    saved_states: dict[str, dict[str, Any]],
+    param: Tensor,
+    request: dict[str, Any],
+) -> dict[str, Any]:
+    """Add to `request` what this rank needs of one bucket's optimizer states; returns them
+    (flat states: the shard-shaped tensor the requested slices are views of)."""
+    bucket_names = [names[id(p)] for p in bucket.params]
+    keys = {name: set(saved_states.get(name, {})) for name in bucket_names}
+    first = keys[bucket_names[0]]
+    if any(k != first for k in keys.values()):
+        raise ValueError(
+            f"the checkpoint has optimizer states {sorted(first)} for {bucket_names[0]!r} but "
+            f"not the same for all of {bucket_names}"
+        )
+    whole = _whole_bucket(zero)
+    chunks = [] if whole else _chunks(zero, bucket)
+    found: dict[str, Any] = {}
+    for key in sorted(first):
+        metas = [saved_states[name][key] for name in bucket_names]
+        if all(isinstance(m, BytesStorageMetadata) for m in metas):
+            found[key] = [_STATE + f"{name}.{key}" for name in bucket_names]
+            request.update((fqn, b"") for fqn in found[key])
+            continue
+        if all(isinstance(m, TensorStorageMetadata) and len(m.size) == 0 for m in metas):
+            found[key] = [_STATE + f"{name}.{key}" for name in bucket_names]
+            for fqn, meta in zip(found[key], metas, strict=True):
+                request[fqn] = torch.empty((), dtype=meta.properties.dtype)
+            continue
+        for p, meta in zip(bucket.params, metas, strict=True):
+            if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != (p.numel(),):
+                raise ValueError(
+                    f"optimizer state {key!r} of {names[id(p)]!r} in the checkpoint is not a "
+                    f"per-element state of its {p.numel()} elements"
+                )
+        flat = torch.zeros_like(param)  # what AdamW creates; padding stays zero
+        found[key] = flat
+        for index, p in enumerate(bucket.params):
+            fqn = _STATE + f"{names[id(p)]}.{key}"
+            if whole:
+                offset = bucket.layout.offsets[index]
+                request[fqn] = flat[offset : offset + p.numel()]
+            else:
+                mine = chunks[index].get(zero.rank)
+                view = None
+                if mine is not None:
+                    view = flat[mine.shard_start : mine.shard_start + mine.numel]
+                request[fqn] = _sharded(zero, p.numel(), chunks[index], view, flat)
+    return found
+
+
+def _load_optimizer(zero: ZeroOptimizer, saved_groups: list[dict], states: list[dict]) -> None:
+    """Hand the loaded states to the wrapped optimizer through its own load_state_dict, which
+    places and casts them as torch does (e.g. AdamW's step on the device when fused)."""
+    by_param = {
+        id(param): found
+        for param, found in zip(_optimizer_params(zero), states, strict=True)
+        if found
+    }
+    state_dict: dict[str, Any] = {"state": {}, "param_groups": []}
+    position = 0
+    for group, saved in zip(zero.optimizer.param_groups, saved_groups, strict=True):
+        options = {k: v for k, v in group.items() if k != "params"}
+        options.update((k, v) for k, v in saved["options"].items() if k not in _RUNTIME_OPTIONS)
+        indices = list(range(position, position + len(group["params"])))
+        state_dict["param_groups"].append({**options, "params": indices})
+        for index, param in zip(indices, group["params"], strict=True):
+            if id(param) in by_param:
+                state_dict["state"][index] = dict(by_param[id(param)])
+        position += len(indices)
+    zero.optimizer.load_state_dict(state_dict)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _one(key: str, values: list) -> Any:
+    """The bucket's value of a scalar state saved once per parameter (they agree)."""
+    values = [v if isinstance(v, Tensor) else _unpack(v) for v in values]
+    first = values[0]
+    for value in values[1:]:
+        same = torch.equal(value, first) if isinstance(first, Tensor) else value == first
+        if not same:
+            raise ValueError(f"optimizer state {key!r} differs between parameters of a bucket")
+    return first
+
+
+def _names(model: nn.Module, zero: ZeroOptimizer) -> dict[int, str]:
+    names = {id(param): name for name, param in model.named_parameters()}
+    for bucket in zero.buckets:
+        for param in bucket.params:
+            if id(param) not in names:
+                raise ValueError("the ZeroOptimizer holds a parameter that is not the model's")
+    return names
+
+
+def _optimizer_params(zero: ZeroOptimizer) -> list[Tensor]:
+    """Per bucket, the tensor the wrapped optimizer steps (offload: its CPU copy)."""
+    return [b.cpu_shard if zero.offload else b.shard for b in zero.buckets]
+
+
+def _whole_bucket(zero: ZeroOptimizer) -> bool:
+    """Whether this rank's optimizer steps the whole bucket (stage 0, or one rank)."""
+    return zero.stage == 0 or zero.world_size == 1
+
+
+def _global(zero: ZeroOptimizer, rank: int) -> int:
+    """ShardedTensor placements name global ranks."""
+    return dist.get_global_rank(zero.group, rank) if zero.group is not None else rank
+
+
+def _dcp_load(request: dict[str, Any], path: str | Path, zero: ZeroOptimizer) -> None:
+    with _quiet():
+        dcp.load(
+            request, checkpoint_id=str(path), process_group=zero.group, no_dist=not zero.distributed
+        )
+
+
+def _pack(obj: Any) -> bytes:
+    """An object DCP stores as one opaque entry (a nested dict would be flattened into keys)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _quiet(warnings.catch_warnings):
+    """Silences two warnings DCP gives on every call here: that it runs without a process group
+    (intended: one process), and that ShardedTensor is deprecated (see the module docstring)."""
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor")
