@@ -157,6 +157,8 @@ class CheckpointSection(_Section):
 class DistributedSection(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     offload: Literal["none", "optimizer", "params"] = "none"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of the gradient collectives: bf16 halves their bytes, fp32 sums exactly as one GPU."""
     timeout_s: float = 600.0
 
 

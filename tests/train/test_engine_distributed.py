@@ -20,7 +20,7 @@ STEPS = 3
 
 def config(
     tmp, *, micro_batch, grad_accum=1, zero=0, offload="none", lr=3e-3, name="run", steps=STEPS,
-    resume=False,
+    resume=False, reduce_dtype="fp32",
 ):  # fmt: skip
     return build_config(
         flags={
@@ -34,7 +34,12 @@ def config(
                 "precision": "fp32",
                 "lr": lr,
             },
-            "distributed": {"zero": zero, "offload": offload, "timeout_s": 120},
+            "distributed": {
+                "zero": zero,
+                "offload": offload,
+                "reduce_dtype": reduce_dtype,
+                "timeout_s": 120,
+            },  # fmt: skip
             "checkpoint": {"out": os.path.join(tmp, name), "resume": resume},
         }
     )
@@ -111,6 +116,18 @@ def test_two_ranks_train_like_one_process(tmp_path, zero, offload, grad_accum):
         torch.testing.assert_close(
             torch.from_numpy(params[name]), ref, rtol=1e-4, atol=1e-4, msg=name
         )
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_bf16_gradient_reduction_stays_close(tmp_path, zero):
+    """--reduce-dtype bf16: the collectives run in bf16 (half the bytes); the losses follow the
+    fp32 run to bf16 precision, not exactly."""
+    results = run_two(tmp_path, micro_batch=2, zero=zero, reduce_dtype="bf16")
+    assert all(r[0] == "ok" for r in results.values()), results
+    ref_losses, _ = reference(tmp_path, micro_batch=4)
+    losses = results[0][1]
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
+    assert losses[1:] != pytest.approx(ref_losses[1:], rel=1e-7)  # bf16 did round the gradients
 
 
 def test_ranks_with_different_settings_stop_with_a_clear_error(tmp_path):

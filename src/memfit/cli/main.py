@@ -79,6 +79,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain data parallel)"
     )
     p.add_argument("--offload", choices=["none", "optimizer", "params"])
+    p.add_argument(
+        "--reduce-dtype", choices=["fp32", "bf16"], help="dtype of the gradient collectives"
+    )
     p.add_argument("--attention", choices=["auto", "flash", "sdpa", "eager"])
     p.add_argument("--optimizer", choices=["adamw", "sgd"])
     p.add_argument("--lr", type=float, help="peak learning rate")
@@ -149,6 +152,7 @@ _TRAIN_FLAGS = {
     "device": ("train", "device"),
     "zero": ("distributed", "zero"),
     "offload": ("distributed", "offload"),
+    "reduce_dtype": ("distributed", "reduce_dtype"),
     "out": ("checkpoint", "out"),
     "save_every": ("checkpoint", "save_every"),
     "resume": ("checkpoint", "resume"),

@@ -21,7 +21,9 @@ when a bucket's gradients are all in, its collective starts asynchronously while
 with earlier layers. Stage 0 all-reduces the bucket (average), stage 1 reduce-scatters it into
 this rank's fp32 gradient shard, stage 2 does the same but the full-size gradient exists only for
 the bucket in flight: each parameter's gradient is copied into the bucket's staging buffer and
-freed at once. At the end of backward every collective is waited for (one autograd callback).
+freed at once. At the end of backward every collective is waited for (one autograd callback). With
+`reduce_dtype=torch.bfloat16` the collectives carry bf16 copies of the fp32 buckets (half the
+bytes) and their results are added back into the fp32 buffers.
 
 Gradient accumulation: stages 0 and 1 keep full gradients and accumulate locally; inside
 `no_sync()` nothing is communicated and the last micro-step communicates once. Stage 2 cannot keep
@@ -90,6 +92,7 @@ class ZeroOptimizer:
         process_group: dist.ProcessGroup | None = None,
         bucket_numel: int = 1 << 24,
         offload: bool = False,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer takes stages 0, 1 and 2, got {stage}")
@@ -101,6 +104,7 @@ class ZeroOptimizer:
             )
         self.stage = stage
         self.offload = offload
+        self.reduce_dtype = reduce_dtype
         self.group = process_group
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.rank = dist.get_rank(process_group) if self.distributed else 0
@@ -214,21 +218,23 @@ class ZeroOptimizer:
             elif self.stage == 2:
                 bucket.reduced = bucket.grad
             return
+        # the collective's input and output: the fp32 buffers, or bf16 copies (reduce_dtype)
+        low = self.reduce_dtype != torch.float32
+        source = bucket.grad.to(self.reduce_dtype) if low else bucket.grad
         if self.stage == 0:
+            bucket.reduced = source if low else None
             bucket.work = dist.all_reduce(
-                bucket.grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+                source, op=dist.ReduceOp.AVG, group=self.group, async_op=True
             )
-        elif self.stage == 1:
-            bucket.work = dist.reduce_scatter_tensor(
-                bucket.shard_grad, bucket.grad, op=dist.ReduceOp.AVG, group=self.group,
-                async_op=True,
-            )  # fmt: skip
         else:
-            bucket.reduced = torch.empty_like(bucket.shard_grad)
+            target = bucket.shard_grad if self.stage == 1 and not low else None
+            if target is None:
+                target = torch.empty(bucket.layout.shard_numel, dtype=self.reduce_dtype,
+                                     device=source.device)  # fmt: skip
+                bucket.reduced = target
             bucket.work = dist.reduce_scatter_tensor(
-                bucket.reduced, bucket.grad, op=dist.ReduceOp.AVG, group=self.group,
-                async_op=True,
-            )  # fmt: skip
+                target, source, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+            )
 
     def _finish_backward(self) -> None:
         """End of backward: start what has not started (buckets with unused parameters), wait."""
@@ -241,9 +247,16 @@ class ZeroOptimizer:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if self.stage == 2 and bucket.reduced is not None:
-                bucket.shard_grad.add_(bucket.reduced)
-                bucket.reduced, bucket.grad = None, None
+            if bucket.reduced is not None:  # the collective wrote a staging tensor
+                if self.stage == 0:
+                    bucket.grad.copy_(bucket.reduced)
+                elif self.stage == 1:
+                    bucket.shard_grad.copy_(bucket.reduced)
+                else:
+                    bucket.shard_grad.add_(bucket.reduced)
+                bucket.reduced = None
+            if self.stage == 2:
+                bucket.grad = None
             bucket.arrived, bucket.launched = 0, False
 
     # -- optimizer -----------------------------------------------------------------------------

@@ -216,6 +216,9 @@ class Trainer:
                 lambda groups: make_optimizer(groups, train, step_device),
                 stage=zero,
                 offload=offload == "optimizer",
+                reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[
+                    config.distributed.reduce_dtype
+                ],
             )
             self.optimizer = self.zero.optimizer
         else:
