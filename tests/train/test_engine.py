@@ -266,3 +266,32 @@ def test_sgd_and_grad_clip_paths(tmp_path):
     trainer = make_trainer(tmp_path, optimizer="sgd", lr=0.05, grad_clip=0.0)
     losses = [trainer.train_step().loss for _ in range(6)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_out_of_memory_says_what_the_planner_would_run(tmp_path, monkeypatch):
+    import dataclasses
+
+    import memfit.planner as planner
+
+    trainer = make_trainer(tmp_path, micro_batch=8)
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(trainer, "_train_step", oom)
+    trainer.device = torch.device("cuda", 0)  # the planner's advice is for GPUs
+    strategy = trainer.strategy()
+    fix = dataclasses.replace(strategy, checkpointing="full")
+    h100 = planner.get_gpu("h100-sxm")
+    need = planner.plan(trainer.model_config, fix, h100).required_bytes
+    small = dataclasses.replace(h100, memory_bytes=need + 2**20)  # fits checkpointing full
+    monkeypatch.setattr(planner, "detect_gpu", lambda: small)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        trainer.train_step()
+    message = str(caught.value)
+    assert message.startswith("step 1 ran out of memory on cuda:0: CUDA out of memory.")
+    assert "memfit's planner puts this run at" in message
+    assert "single changes that fit: " in message and "--checkpointing full (" in message
+    monkeypatch.setattr(planner, "detect_gpu", lambda: dataclasses.replace(h100, memory_bytes=1))
+    with pytest.raises(torch.OutOfMemoryError, match="no single change fits"):
+        trainer.train_step()

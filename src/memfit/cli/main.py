@@ -225,10 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except torch.OutOfMemoryError as error:
+        message = str(error).strip()
+        if "memfit's planner" not in message:  # not from the engine: the generic advice
+            message = (
+                (message.splitlines()[0] if message else "CUDA out of memory")
+                + "\nTry a smaller --micro-batch (with a larger --grad-accum), --checkpointing "
+                "full, or a shorter --seq-len."
+            )
         Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]out of memory:[/] {str(error).splitlines()[0]}\nTry a smaller --micro-batch (with a larger "
-            "--grad-accum), --checkpointing full, or a shorter --seq-len.",
-            highlight=False,
+            f"[bold red]out of memory:[/] {message}", highlight=False
         )
         return 3
     except (ValueError, FileNotFoundError, CheckpointError, TrainingDiverged) as error:

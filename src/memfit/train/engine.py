@@ -343,7 +343,55 @@ class Trainer:
     # -- training ---------------------------------------------------------------------------
 
     def train_step(self) -> StepMetrics:
-        """One optimizer step over `grad_accum` micro-batches."""
+        """One optimizer step over `grad_accum` micro-batches. Out of GPU memory, it raises
+        torch.OutOfMemoryError saying what memfit's planner would run instead."""
+        try:
+            return self._train_step()
+        except torch.OutOfMemoryError as error:
+            raise self._out_of_memory(error) from error
+
+    def strategy(self):
+        """This run's settings as the planner's Strategy."""
+        from memfit.planner import Strategy
+
+        train, dist_cfg = self.config.train, self.config.distributed
+        return Strategy(
+            precision=self.precision, micro_batch=train.micro_batch,
+            seq_len=self.config.data.seq_len, grad_accum=train.grad_accum,
+            checkpointing=train.checkpointing, optimizer=train.optimizer,
+            attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
+            world_size=self.world.world_size,
+        )  # fmt: skip
+
+    def _out_of_memory(self, error: torch.OutOfMemoryError) -> torch.OutOfMemoryError:
+        from memfit.planner import detect_gpu, plan, what_would_fit
+
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "CUDA out of memory"
+        lines = [f"step {self.step + 1} ran out of memory on {self.device}: {first}"]
+        gpu = detect_gpu() if self.device.type == "cuda" else None
+        if gpu is not None:
+            strategy = self.strategy()
+            need = plan(self.model_config, strategy, gpu).required_bytes
+            lines.append(
+                f"memfit's planner puts this run at {need / 2**30:.1f} GiB per GPU, the "
+                f"{gpu.name} has {gpu.memory_bytes / 2**30:.1f} GiB"
+            )
+            fixes = what_would_fit(self.model_config, strategy, gpu)[:3]
+            if fixes:
+                lines.append(
+                    "single changes that fit: "
+                    + "; ".join(
+                        f"{label} ({p.required_bytes / 2**30:.1f} GiB)" for label, p in fixes
+                    )
+                )
+            else:
+                lines.append(
+                    "no single change fits: `memfit plan --recommend` ranks combined strategies "
+                    "(checkpointing, ZeRO across GPUs, offload)"
+                )
+        return torch.OutOfMemoryError("\n".join(lines))
+
+    def _train_step(self) -> StepMetrics:
         train = self.config.train
         start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(train.grad_accum)]
