@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[float], int, dict]:
     from memfit.config import build_config
-    from memfit.planner import Strategy, plan
+    from memfit.planner import plan
     from memfit.train.engine import Trainer
 
     micro_batch, checkpointing = PRESETS[preset]
@@ -94,12 +94,7 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
     for _ in range(args.warmup + args.repeat):
         metrics = trainer.train_step()
         times.append(metrics.step_time_s)
-    world = torch.distributed.get_world_size()
-    strategy = Strategy(
-        precision="bf16", micro_batch=micro_batch, seq_len=args.seq_len,
-        checkpointing=checkpointing, zero=zero, world_size=world,
-    )  # fmt: skip
-    planned = plan(trainer.model_config, strategy)
+    planned = plan(trainer.model_config, trainer.strategy())
     tokens = micro_batch * args.seq_len
     return times[args.warmup :], tokens, {"planned_peak_bytes": planned.peak_bytes}
 

@@ -178,20 +178,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from memfit.cli.profile import run_profile
-    from memfit.planner import Strategy, detect_gpu, plan
+    from memfit.planner import detect_gpu, plan
 
     def plan_fn(trainer):
-        train = trainer.config.train
-        strategy = Strategy(
-            precision=trainer.precision,
-            micro_batch=train.micro_batch,
-            seq_len=trainer.config.data.seq_len,
-            grad_accum=train.grad_accum,
-            checkpointing=train.checkpointing,
-            optimizer=train.optimizer,
-            attention=trainer.attention,
-        )
-        return plan(trainer.model_config, strategy, detect_gpu())
+        return plan(trainer.model_config, trainer.strategy(), detect_gpu())
 
     return run_profile(
         _run_config(args), console, steps=args.profile_steps, plan_fn=plan_fn, png=args.png
@@ -220,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from memfit.train.checkpoint import CheckpointError
-    from memfit.train.engine import TrainingDiverged
+    from memfit.train.engine import OutOfMemory, TrainingDiverged
 
     try:
         return args.handler(args)
     except torch.OutOfMemoryError as error:
         message = str(error).strip()
-        if "memfit's planner" not in message:  # not from the engine: the generic advice
+        if not isinstance(error, OutOfMemory):  # not from a training step: the generic advice
             message = (
                 (message.splitlines()[0] if message else "CUDA out of memory")
                 + "\nTry a smaller --micro-batch (with a larger --grad-accum), --checkpointing "

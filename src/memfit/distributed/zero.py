@@ -218,7 +218,9 @@ class ZeroOptimizer:
             elif self.stage == 2:
                 bucket.reduced = bucket.grad
             return
-        # the collective's input and output: the fp32 buffers, or bf16 copies (reduce_dtype)
+        # input: the fp32 bucket, or its reduce_dtype copy; output: where the optimizer reads
+        # (stage 0 in place, stage 1 into the fp32 shard), else a staging tensor that
+        # _finish_backward copies (stages 0, 1) or adds (stage 2, which accumulates) from
         low = self.reduce_dtype != torch.float32
         source = bucket.grad.to(self.reduce_dtype) if low else bucket.grad
         if self.stage == 0:
@@ -226,15 +228,16 @@ class ZeroOptimizer:
             bucket.work = dist.all_reduce(
                 source, op=dist.ReduceOp.AVG, group=self.group, async_op=True
             )
+            return
+        if self.stage == 1 and not low:
+            target = bucket.shard_grad
         else:
-            target = bucket.shard_grad if self.stage == 1 and not low else None
-            if target is None:
-                target = torch.empty(bucket.layout.shard_numel, dtype=self.reduce_dtype,
-                                     device=source.device)  # fmt: skip
-                bucket.reduced = target
-            bucket.work = dist.reduce_scatter_tensor(
-                target, source, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+            target = bucket.reduced = torch.empty(
+                bucket.layout.shard_numel, dtype=self.reduce_dtype, device=source.device
             )
+        bucket.work = dist.reduce_scatter_tensor(
+            target, source, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+        )
 
     def _finish_backward(self) -> None:
         """End of backward: start what has not started (buckets with unused parameters), wait."""
@@ -261,19 +264,16 @@ class ZeroOptimizer:
 
     # -- optimizer -----------------------------------------------------------------------------
 
-    def _grads(self) -> list[Tensor]:
-        return [b.grad if self.stage == 0 else b.shard_grad for b in self.buckets]
-
     def gradients(self) -> list[Tensor]:
         """The averaged gradients the optimizer will read, one flat tensor per bucket (this
         rank's shard in stages 1 and 2): for loss-scale unscaling and overflow checks."""
-        return self._grads()
+        return [b.grad if self.stage == 0 else b.shard_grad for b in self.buckets]
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale the (averaged) gradients so that their global L2 norm is at most max_norm (no
         clipping when max_norm is 0 or inf); returns the norm before clipping, the same on every
         rank."""
-        grads = self._grads()
+        grads = self.gradients()
         total = torch.stack([g.float().square().sum() for g in grads]).sum()
         if self.stage >= 1 and self.distributed:  # each rank holds a disjoint shard
             dist.all_reduce(total, group=self.group)
@@ -286,7 +286,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         if self.offload:
-            for bucket, grad in zip(self.buckets, self._grads(), strict=True):
+            for bucket, grad in zip(self.buckets, self.gradients(), strict=True):
                 bucket.cpu_shard.grad.copy_(grad, non_blocking=True)
             if self.buckets and self.buckets[0].flat_param.is_cuda:
                 torch.cuda.current_stream().synchronize()
@@ -300,7 +300,7 @@ class ZeroOptimizer:
                 dist.all_gather_into_tensor(bucket.flat_param, shard, group=self.group)
 
     def zero_grad(self) -> None:
-        for grad in self._grads():
+        for grad in self.gradients():
             grad.zero_()
         if self.stage == 1:
             for bucket in self.buckets:
@@ -309,7 +309,7 @@ class ZeroOptimizer:
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states."""
         params = sum(b.flat_param.numel() * 4 for b in self.buckets)
-        grads = sum(g.numel() * 4 for g in self._grads())
+        grads = sum(g.numel() * 4 for g in self.gradients())
         if self.stage == 1:
             grads += sum(b.grad.numel() * 4 for b in self.buckets)
         optimizer = sum(

@@ -844,12 +844,14 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _autograd_backward(ctx, dout, dlse):
+def _saved_backward(ctx, dout, backward) -> tuple:
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.memfit.flash_attn_backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args
-    )
+    dq, dk, dv = backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _autograd_backward(ctx, dout, dlse):
+    return _saved_backward(ctx, dout, torch.ops.memfit.flash_attn_backward)
 
 
 def _define_ops() -> None:
@@ -875,18 +877,14 @@ class _FlashAttention(torch.autograd.Function):
     (more than the kernels at 1-2k tokens); this costs what the launches cost."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
-        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.args = args
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    def forward(ctx, *inputs):
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return _saved_backward(ctx, dout, _backward)
 
 
 def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, *args) -> tuple[Tensor, Tensor]:

@@ -51,6 +51,10 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or inf (fp32/bf16), or fp16 kept overflowing."""
 
 
+class OutOfMemory(torch.OutOfMemoryError):
+    """GPU memory ran out during a step; the message says what the planner would run instead."""
+
+
 class ConfigError(ValueError):
     """A strategy that cannot run as configured."""
 
@@ -363,7 +367,7 @@ class Trainer:
             world_size=self.world.world_size,
         )  # fmt: skip
 
-    def _out_of_memory(self, error: torch.OutOfMemoryError) -> torch.OutOfMemoryError:
+    def _out_of_memory(self, error: torch.OutOfMemoryError) -> OutOfMemory:
         from memfit.planner import detect_gpu, plan, what_would_fit
 
         first = str(error).strip().splitlines()[0] if str(error).strip() else "CUDA out of memory"
@@ -389,7 +393,12 @@ class Trainer:
                     "no single change fits: `memfit plan --recommend` ranks combined strategies "
                     "(checkpointing, ZeRO across GPUs, offload)"
                 )
-        return torch.OutOfMemoryError("\n".join(lines))
+        else:
+            lines.append(
+                "Try a smaller --micro-batch (with a larger --grad-accum), --checkpointing full, "
+                "or a shorter --seq-len."
+            )
+        return OutOfMemory("\n".join(lines))
 
     def _train_step(self) -> StepMetrics:
         train = self.config.train
@@ -411,29 +420,25 @@ class Trainer:
             loss_sum += loss.detach()
 
         if self.zero is not None:
-            finite = self.scaler.unscale_and_check_grads(
-                self.zero.gradients(), across_ranks=self.world.distributed
-            )
-            grad_norm = torch.zeros((), device=self.device)
-            if finite:
-                grad_norm = self.zero.clip_grad_norm_(train.grad_clip)
-                self.zero.step()
-            self.zero.zero_grad()
+            grads, clip = self.zero.gradients(), self.zero.clip_grad_norm_
+            step, zero_grad = self.zero.step, self.zero.zero_grad
         else:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            finite = self.scaler.unscale_and_check(params)
-            grad_norm = torch.zeros((), device=self.device)
-            if finite:
-                if train.grad_clip > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        params, train.grad_clip, foreach=True
-                    )
-                else:
-                    grad_norm = torch.linalg.vector_norm(
-                        torch.stack([p.grad.norm() for p in params if p.grad is not None])
-                    )
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            grads = [p.grad for p in params if p.grad is not None]
+
+            def clip(max_norm: float) -> torch.Tensor:
+                if max_norm > 0:
+                    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+                return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+
+            step = self.optimizer.step
+            zero_grad = lambda: self.optimizer.zero_grad(set_to_none=True)  # noqa: E731
+        finite = self.scaler.unscale_and_check_grads(grads, across_ranks=self.world.distributed)
+        grad_norm = torch.zeros((), device=self.device)
+        if finite:
+            grad_norm = clip(train.grad_clip)
+            step()
+        zero_grad()
         self.scaler.update()
         lr = self.scheduler.get_last_lr()[0]
         if finite:  # a skipped step does not advance the schedule

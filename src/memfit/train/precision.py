@@ -20,6 +20,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from memfit.distributed.launch import agree
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,8 +100,6 @@ class DynamicLossScaler:
             norms = torch._foreach_norm(grads, float("inf"))
             found = ~torch.isfinite(torch.stack(norms)).all()
         if across_ranks:
-            from memfit.distributed.launch import agree
-
             found = agree(found)
         self.found_inf = bool(found)
         return not self.found_inf
