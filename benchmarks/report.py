@@ -393,6 +393,8 @@ _SYSTEM_NAMES = {
     "zero2": "**memfit ZeRO-2**",
     "zero3": "**memfit ZeRO-3**",
     "fsdp2": "torch FSDP2 (`fully_shard` per block)",
+    "zero0+offload": "**memfit `--offload optimizer`**",
+    "zero3+offload": "**memfit ZeRO-3 `--offload params`**",
 }
 
 
@@ -426,6 +428,11 @@ def zero_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def _gpus(run: dict) -> int:
+    """The number of GPUs of a zero.py run (0 for a run without records)."""
+    return max((r.get("gpus", 0) for r in run.get("records", [])), default=0)
+
+
 def _has(key: str) -> Callable[[dict], bool]:
     return lambda run: bool(run.get(key))
 
@@ -443,7 +450,8 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
         lambda run: not plain_train_run(run),
         True,
     ),
-    "zero": ("zero", zero_table, _has("records"), True),
+    "zero": ("zero", zero_table, lambda run: _gpus(run) > 1, True),
+    "zero_offload": ("zero", zero_table, lambda run: _gpus(run) == 1, True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

@@ -2,15 +2,18 @@
 
     python benchmarks/zero.py --gpus 2                      # llama-1b mb4 and llama-2-7b mb2 full
     python benchmarks/zero.py --gpus 2 --presets llama-1b --systems ddp zero1 fsdp2
+    python benchmarks/zero.py --gpus 1 --presets llama-2-7b --systems zero0+offload zero3+offload
 
 Each (preset, system) runs as its own `torchrun --nproc_per_node N` job on the same inputs (the
 built-in data, seq 2048): memfit systems are `memfit train` as the engine runs it (`--zero S`,
-bf16 autocast over fp32 master weights, fused AdamW, blocks compiled unless checkpointed); `ddp`
+bf16 autocast over fp32 master weights, fused AdamW, blocks compiled unless checkpointed;
+`zero0+offload` is `--offload optimizer`, `zero3+offload` is `--zero 3 --offload params`); `ddp`
 is torch DistributedDataParallel around the same model, same autocast, same optimizer; `fsdp2`
 is torch's `fully_shard` per transformer block and on the root, bf16 parameters and fp32
 gradient reduction (the settings of ../shared/ANCHORS.md). Recorded per run: tokens/s per GPU
-(median step after warm-up), peak allocated bytes per rank, and for memfit the planner's peak per
-rank for the same strategy. Results: benchmarks/results/zero.json (`--out DIR` elsewhere).
+(median step after warm-up), peak allocated bytes per rank over the training steps (the peak
+statistics are reset once the model and optimizer are built, for every system), and for memfit
+the planner's peak per rank for the same strategy. Results: benchmarks/results/zero.json (`--out DIR` elsewhere).
 
 NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0 and friends), as the GPU machines
 need.
@@ -39,7 +42,7 @@ PRESETS = {  # name: (micro_batch, checkpointing)
     "llama-1b": (4, "none"),
     "llama-2-7b": (2, "full"),
 }
-SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "fsdp2")
+SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2", "zero0+offload", "zero3+offload")
 SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -73,7 +76,9 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
     from memfit.train.engine import Trainer
 
     micro_batch, checkpointing = PRESETS[preset]
-    zero = int(system.removeprefix("zero"))
+    stage, _, offload = system.removeprefix("zero").partition("+")
+    zero = int(stage)
+    offload = ("params" if zero == 3 else "optimizer") if offload else "none"
     config = build_config(
         flags={
             "model": {"name": preset},
@@ -85,11 +90,12 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
                 "precision": "bf16",
                 "device": "cuda",
             },
-            "distributed": {"zero": zero},
+            "distributed": {"zero": zero, "offload": offload},
             "checkpoint": {"out": run_dir},
         }
     )
     trainer = Trainer(config)
+    torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.warmup + args.repeat):
         metrics = trainer.train_step()
@@ -149,6 +155,7 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int, dic
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.warmup + args.repeat)]
     return times[args.warmup :], micro_batch * args.seq_len, {}
 

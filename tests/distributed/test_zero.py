@@ -1,6 +1,6 @@
-"""ZeRO stages 0-2 with gloo, 2 and 3 processes: losses and final parameters equal a single-process
+"""ZeRO stages 0-3 with gloo, 2 and 3 processes: losses and final parameters equal a single-process
 run on the whole batch (fp32 tolerance) over 10 steps, with and without accumulation, with
-clipping, on a model whose parameter counts do not divide by the world size."""
+clipping, with offload, on a model whose parameter counts do not divide by the world size."""
 
 import contextlib
 import os
@@ -72,22 +72,32 @@ def train(zero, model, rank, world_size, accum):
     return losses
 
 
+def build(model: nn.Module, stage: int | str) -> ZeroOptimizer:
+    """stage: 0-3, or "1+offload" (optimizer offload), "3+offload" (parameter offload)."""
+    stage, _, offload = str(stage).partition("+")
+    stage = int(stage)
+    units = [model[0], model[2]] if stage == 3 else ()  # root: the LayerNorm and last Linear
+    return ZeroOptimizer(
+        parameter_groups(model, 0.1),
+        optimizer_factory,
+        stage=stage,
+        bucket_numel=50,
+        offload={"": "none", "offload": "optimizer" if stage < 3 else "params"}[offload],
+        units=units,
+        root=model if stage == 3 else None,
+    )
+
+
 def worker(rank, world_size, port, accum, stages, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results = {}
     for stage in stages:
-        offload = stage == "1+offload"
         model = make_model()
-        zero = ZeroOptimizer(
-            parameter_groups(model, 0.1),
-            optimizer_factory,
-            stage=1 if offload else stage,
-            bucket_numel=50,
-            offload=offload,
-        )
+        zero = build(model, stage)
         losses = train(zero, model, rank, world_size, accum)
-        results[stage] = (losses, [p.detach().clone() for p in model.parameters()])
+        with zero.summon_full_params():
+            results[stage] = (losses, [p.detach().clone() for p in model.parameters()])
         results[f"bytes{stage}"] = zero.state_bytes()
     if rank == 0:
         torch.save(results, out)
@@ -103,16 +113,17 @@ def free_port() -> int:
 @pytest.mark.parametrize(("world_size", "accum"), [(2, 1), (2, 2), (3, 1), (3, 2)])
 def test_stages_match_the_single_process_run(tmp_path, world_size, accum):
     out = tmp_path / "results.pt"
-    mp.spawn(worker, args=(world_size, free_port(), accum, (0, 1, 2), str(out)), nprocs=world_size)
+    stages = (0, 1, 2, 3, "3+offload")
+    mp.spawn(worker, args=(world_size, free_port(), accum, stages, str(out)), nprocs=world_size)
     results = torch.load(out)
     ref_losses, ref_params = reference(world_size, accum)
-    for stage in (0, 1, 2):
+    for stage in stages:
         losses, params = results[stage]
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
         for got, expected in zip(params, ref_params, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     num_params = sum(p.numel() for p in ref_params)
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         measured = results[f"bytes{stage}"]
         expected = zero_state_bytes(num_params, stage, world_size)
         for key, value in expected.items():
@@ -125,7 +136,7 @@ def test_needs_a_process_group():
         ZeroOptimizer(parameter_groups(make_model(), 0.1), optimizer_factory, stage=1)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 3, 8])
 def test_formulas_agree_with_the_planner(stage, world_size):
     from memfit.models.config import PRESETS
@@ -138,18 +149,18 @@ def test_formulas_agree_with_the_planner(stage, world_size):
         assert abs(planned[key] - formulas[key]) <= 16, (key, planned[key], formulas[key])
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_single_process_offload_matches_plain_training(stage):
-    """One GPU's ZeRO-Offload (here on CPU): no process group, optimizer on the CPU copies."""
+    """One GPU's ZeRO-Offload (here on CPU): no process group, optimizer on the CPU copies
+    (stage 3: the parameter shards too)."""
     model = make_model()
-    zero = ZeroOptimizer(
-        parameter_groups(model, 0.1), optimizer_factory, stage=stage, bucket_numel=50, offload=True
-    )
+    zero = build(model, f"{stage}+offload")
     losses = train(zero, model, 0, 1, accum=2)
     ref_losses, ref_params = reference(1, 2)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for got, expected in zip(model.parameters(), ref_params, strict=True):
-        torch.testing.assert_close(got.detach(), expected, rtol=1e-5, atol=1e-6)
+    with zero.summon_full_params():
+        for got, expected in zip(model.parameters(), ref_params, strict=True):
+            torch.testing.assert_close(got.detach(), expected, rtol=1e-5, atol=1e-6)
     assert zero.state_bytes()["optimizer_states"] == 0
 
 

@@ -42,7 +42,7 @@ from memfit.train import checkpoint as ckpt
 from memfit.train.checkpointing import apply_activation_checkpointing
 from memfit.train.data import build_data
 from memfit.train.optim import build_optimizer, build_scheduler, make_optimizer, parameter_groups
-from memfit.train.precision import DynamicLossScaler, autocast, resolve_precision
+from memfit.train.precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +132,10 @@ class Trainer:
         self.config = config
         train = config.train
         zero, offload = config.distributed.zero, config.distributed.offload
-        if zero == 3 or offload == "params":
+        if offload == "params" and zero != 3:
             raise ConfigError(
-                f"--zero {zero} / --offload {offload}: parameter sharding (ZeRO stage 3) is not in "
-                "this version of memfit yet; use --zero 2 (with --offload optimizer to also move the "
-                "optimizer to CPU memory)"
+                f"--offload params keeps parameter shards in CPU memory, which needs --zero 3 "
+                f"(got --zero {zero}); --offload optimizer works with any stage"
             )
 
         # 1. process group, device, precision, seeds
@@ -147,7 +146,8 @@ class Trainer:
             raise ConfigError(
                 f"--zero {zero} shards the training state across processes: launch with "
                 f"`torchrun --nproc_per_node N -m memfit train --zero {zero} ...` (N GPUs); on one "
-                "GPU, --offload optimizer keeps the optimizer in CPU memory instead"
+                "GPU, --offload optimizer (or --zero 3 --offload params) keeps the optimizer (and "
+                "the parameters) in CPU memory instead"
             )
         try:
             launch.check_same({"config": to_toml(config)})
@@ -207,22 +207,29 @@ class Trainer:
         self.compiled = compiles_blocks(config.model.compile, self.device, train.checkpointing)
         if self.compiled:
             # Inductor fuses each block's elementwise work (norms, RoPE, SwiGLU, residual adds)
-            # into a few kernels; blocks share one compiled graph (same code, same shapes).
+            # into a few kernels; blocks share one compiled graph (same code, same shapes). The
+            # forward is compiled, not the module's call, which would trace the module hooks
+            # ZeRO-3 gathers parameters in.
             for block in self.model.layers:
-                block.compile()
+                block.forward = torch.compile(block.forward)
 
         # 5. optimizer (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
         self.zero: ZeroOptimizer | None = None
-        if self.world.distributed or offload == "optimizer":
-            step_device = torch.device("cpu") if offload == "optimizer" else self.device
+        if self.world.distributed or offload != "none":
+            step_device = torch.device("cpu") if offload != "none" else self.device
             self.zero = ZeroOptimizer(
                 parameter_groups(self.model, train.weight_decay),
                 lambda groups: make_optimizer(groups, train, step_device),
                 stage=zero,
-                offload=offload == "optimizer",
+                offload=offload,
                 reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[
                     config.distributed.reduce_dtype
                 ],
+                # stage 3: each block is gathered on its own; the rest (embedding, final norm,
+                # output) with the model, in the compute dtype (autocast then casts nothing)
+                units=list(self.model.layers) if zero == 3 else (),
+                root=self.model if zero == 3 else None,
+                param_dtype=DTYPES[self.precision],
             )
             self.optimizer = self.zero.optimizer
         else:
