@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from memfit.config import build_config
 from memfit.train.engine import ConfigError, Trainer
@@ -185,22 +186,33 @@ def test_offload_on_one_process_trains_like_the_plain_optimizer(tmp_path, zero, 
         )
 
 
-def test_a_two_rank_zero_run_resumes_on_one_process(tmp_path):
-    """Saved sharded at 2 ranks (ZeRO-1, step 2 of 3), resumed by one process (ZeRO-Offload, the
-    same windows per step): the last step equals an uninterrupted run's."""
-    results = run_two(tmp_path, micro_batch=2, zero=1, stop_at=2)
+@pytest.mark.parametrize(
+    "zero, resumed_zero, resumed_offload", [(1, 0, "optimizer"), (3, 3, "params")]
+)
+def test_a_two_rank_zero_run_resumes_on_one_process(tmp_path, zero, resumed_zero, resumed_offload):
+    """Saved sharded at 2 ranks (step 2 of 3), resumed by one process with offload (the same
+    windows per step): the last step equals an uninterrupted run's."""
+    results = run_two(tmp_path, micro_batch=2, zero=zero, stop_at=2)
     assert all(r[0] == "ok" for r in results.values()), results
     checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002"
     assert (checkpoint / "trainer" / ".metadata").is_file()
     with pytest.raises(ConfigError, match="sharded optimizer state"):
         Trainer(config(str(tmp_path), micro_batch=4, resume=True))
-    resumed = Trainer(config(str(tmp_path), micro_batch=4, offload="optimizer", resume=True))
+    resumed = Trainer(
+        config(
+            str(tmp_path), micro_batch=4, zero=resumed_zero, offload=resumed_offload, resume=True
+        )
+    )
     assert resumed.step == 2
+    saved_weights = load_file(checkpoint / "model.safetensors")  # ZeRO-3: exported at save
+    for name, value in named_parameters(resumed).items():
+        torch.testing.assert_close(torch.from_numpy(value), saved_weights[name])
     last = resumed.train_step().loss
     ref_losses, ref_params = reference(tmp_path, micro_batch=4)
     assert last == pytest.approx(ref_losses[-1], rel=1e-5)
-    for name, param in resumed.model.named_parameters():
-        torch.testing.assert_close(param.detach(), ref_params[name], rtol=1e-4, atol=1e-4)
+    params = named_parameters(resumed)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(torch.from_numpy(params[name]), ref, rtol=1e-4, atol=1e-4)
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -5,8 +5,10 @@ A checkpoint is a DCP directory: `.metadata` (written last, by rank 0: a directo
 incomplete) and one `__<rank>_0.distcp` file per saving rank. Its entries, by memfit parameter
 name (`model.named_parameters()`):
 
-    model.<name>              the parameter, whole. Every rank holds it (stages 0-2); DCP writes
-                              each replicated plain tensor once, spreading them over the ranks
+    model.<name>              the parameter, of its shape. Stages 0-2: whole, every rank
+                              holds it; DCP writes each replicated plain tensor once, spreading
+                              them over the ranks. Stage 3: no rank holds it whole; each rank
+                              writes the part its shard holds, as a few chunks (`range_boxes`)
     optim.state.<name>.<key>  a per-element optimizer state (AdamW exp_avg, exp_avg_sq; SGD
                               momentum_buffer): 1-D, the parameter's numel, one chunk per rank
                               that holds a piece of the parameter in its shard
@@ -33,6 +35,13 @@ uneven chunks), not the files. The tensors are built with
 ranks' pieces from the layout (`init_from_local_shards` would all-gather the shard metadata once
 per tensor). They exist only for the duration of a save or load.
 
+A stage-3 rank's part of a parameter is a contiguous range of its flattened elements, which a
+ShardedTensor of the parameter's shape cannot take as one chunk (a chunk is a box: an offset and
+a size per dimension). `range_boxes` splits the range into boxes (in 2-D: a partial first row,
+the whole rows, a partial last row), each a contiguous piece of the shard, so the local chunks
+are views of the shard: DCP writes from them and loads into them directly. The files have the
+same entries at every stage; DCP reshards between them on load by chunk overlap.
+
 Without a process group (one process, e.g. single-GPU offload) or at world size 1 everything is
 plain tensors, and DCP runs without collectives (`no_dist`, torch >= 2.7).
 """
@@ -40,8 +49,9 @@ plain tensors, and DCP runs without collectives (`no_dist`, torch >= 2.7).
 from __future__ import annotations
 
 import io
+import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +84,7 @@ def save_zero(
     """Write `model`'s parameters and `zero`'s optimizer state (sharded) to the DCP directory
     `path`; `extra` is saved as rank 0 has it. Every rank of `zero`'s group calls it."""
     names = _names(model, zero)
-    state: dict[str, Any] = {
-        _MODEL + name: param.detach() for name, param in model.named_parameters()
-    }
+    state: dict[str, Any] = _model_entries(model, zero, names)
     for bucket, param in zip(zero.buckets, _optimizer_params(zero), strict=True):
         for key, value in zero.optimizer.state.get(param, {}).items():
             state.update(_state_entries(zero, bucket, names, key, value, param))
@@ -106,10 +114,17 @@ def load_zero(path: str | Path, model: nn.Module, zero: ZeroOptimizer) -> dict:
         for key in saved
         if key.startswith(_MODEL) and key[len(_MODEL) :] not in params
     )
-    if missing or unexpected:
+    reshaped = [
+        f"{name} {tuple(saved[_MODEL + name].size)} saved, {tuple(p.shape)} here"
+        for name, p in params.items()
+        if _MODEL + name in saved
+        and isinstance(saved[_MODEL + name], TensorStorageMetadata)
+        and tuple(saved[_MODEL + name].size) != tuple(p.shape)
+    ]
+    if missing or unexpected or reshaped:
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
+            f"unexpected {unexpected[:5]}, other shapes {reshaped[:5]}"
         )
     # the small objects first, so that a checkpoint that does not fit changes nothing
     header = {key: b"" for key in ("memfit", "optim.param_groups", "extra")}
@@ -128,7 +143,8 @@ def load_zero(path: str | Path, model: nn.Module, zero: ZeroOptimizer) -> dict:
             f"{[len(g['param_names']) for g in saved_groups]} parameters per group saved, "
             f"{[len(g['param_names']) for g in current]} here (or other parameters)"
         )
-    request: dict[str, Any] = {_MODEL + name: p.detach() for name, p in params.items()}
+    # the parameters in place: into the flat buffers (stages 0-2) or the shards (stage 3)
+    request: dict[str, Any] = _model_entries(model, zero, names)
     saved_states: dict[str, dict[str, Any]] = {}
     for key, meta in saved.items():
         if key.startswith(_STATE):
@@ -138,10 +154,11 @@ def load_zero(path: str | Path, model: nn.Module, zero: ZeroOptimizer) -> dict:
         _request_states(zero, bucket, names, saved_states, param, request)
         for bucket, param in zip(zero.buckets, _optimizer_params(zero), strict=True)
     ]
-    _dcp_load(request, path, zero)  # the parameters in place: into the flat buffers
+    _dcp_load(request, path, zero)
     if zero.offload:
         for bucket in zero.buckets:
-            bucket.cpu_shard.copy_(bucket.shard)
+            if bucket.cpu_shard is not bucket.shard:  # offload params: the shard is the copy
+                bucket.cpu_shard.copy_(bucket.shard)
     for found in states:
         for key, value in found.items():
             if isinstance(value, list):
@@ -150,9 +167,12 @@ def load_zero(path: str | Path, model: nn.Module, zero: ZeroOptimizer) -> dict:
     return _unpack(header["extra"])
 
 
-def export_safetensors(path: str | Path, out: str | Path) -> Path:
+def export_safetensors(
+    path: str | Path, out: str | Path, metadata: dict[str, str] | None = None
+) -> Path:
     """The model weights of the DCP checkpoint `path`, whole, as the safetensors file `out`
-    (memfit names). Runs in one process, with or without a process group."""
+    (memfit names), with `metadata` added to the file's {"format": "memfit"}. Runs in one
+    process, with or without a process group; holds the whole model in CPU memory."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     weights = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -167,7 +187,7 @@ def export_safetensors(path: str | Path, out: str | Path) -> Path:
     save_file(
         {key[len(_MODEL) :]: tensor.contiguous() for key, tensor in weights.items()},
         str(out),
-        metadata={"format": "memfit"},
+        metadata={"format": "memfit", **(metadata or {})},
     )
     return out
 
@@ -196,11 +216,11 @@ def _state_entries(
         chunks = _chunks(zero, bucket)
         for index, p in enumerate(bucket.params):
             mine = chunks[index].get(zero.rank)
-            local = None
+            local = []
             if mine is not None:
-                local = value[base + mine.shard_start : base + mine.shard_start + mine.numel]
+                local = [value[base + mine.shard_start : base + mine.shard_start + mine.numel]]
             fqn = _STATE + f"{names[id(p)]}.{key}"
-            yield fqn, _sharded(zero, p.numel(), chunks[index], local, value)
+            yield fqn, _sharded(zero, [p.numel()], _flat_boxes(chunks[index]), local, value)
     elif isinstance(value, Tensor) and value.dim() == 0:
         for p in bucket.params:  # the same on every rank: DCP writes one copy
             yield _STATE + f"{names[id(p)]}.{key}", value
@@ -224,29 +244,35 @@ def _chunks(zero: ZeroOptimizer, bucket: _Bucket) -> list[dict[int, Piece]]:
 
 
 def _sharded(
-    zero: ZeroOptimizer, numel: int, chunks: dict[int, Piece], local: Tensor | None, like: Tensor
+    zero: ZeroOptimizer,
+    size: Sequence[int],
+    boxes: list[tuple[int, list[int], list[int]]],
+    local: list[Tensor],
+    like: Tensor,
 ) -> Tensor:
-    """A parameter's state as a 1-D ShardedTensor of `numel` elements whose chunks are its
-    pieces in the shards of the ranks (`chunks`); `local` is this rank's piece (or None)."""
-    if numel == 0:
-        return torch.empty(0, dtype=like.dtype)
+    """A tensor of `size` as a ShardedTensor whose chunks are `boxes` (group rank, offsets,
+    sizes), every rank's; `local` is this rank's chunks' tensors, in the order of its boxes."""
+    if math.prod(size) == 0:
+        return torch.empty(size, dtype=like.dtype)
     shards = [
-        ShardMetadata(
-            [piece.param_start], [piece.numel], f"rank:{_global(zero, rank)}/{like.device}"
-        )
-        for rank, piece in sorted(chunks.items())
+        ShardMetadata(list(offsets), list(sizes), f"rank:{_global(zero, rank)}/{like.device}")
+        for rank, offsets, sizes in boxes
     ]
-    local_shards = []
-    if local is not None:
-        local_shards.append(Shard(local, shards[sorted(chunks).index(zero.rank)]))
-    pinned = local is not None and local.is_pinned()
+    mine = [shard for (rank, _, _), shard in zip(boxes, shards, strict=True) if rank == zero.rank]
+    local_shards = [Shard(t, shard) for t, shard in zip(local, mine, strict=True)]
+    pinned = any(t.is_pinned() for t in local)
     properties = TensorProperties(dtype=like.dtype, layout=torch.strided, pin_memory=pinned)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local_shards,
-        ShardedTensorMetadata(shards, torch.Size([numel]), properties),
+        ShardedTensorMetadata(shards, torch.Size(size), properties),
         process_group=zero.group,
         sharding_spec=EnumerableShardingSpec(shards),
     )
+
+
+def _flat_boxes(chunks: dict[int, Piece]) -> list[tuple[int, list[int], list[int]]]:
+    """The chunks of a 1-D tensor (a per-element optimizer state): one per rank's piece."""
+    return [(rank, [piece.param_start], [piece.numel]) for rank, piece in sorted(chunks.items())]
 
 
 def _groups(zero: ZeroOptimizer, names: dict[int, str]) -> list[dict]:
@@ -258,6 +284,81 @@ def _groups(zero: ZeroOptimizer, names: dict[int, str]) -> list[dict]:
         ]
         found.append({"options": options, "param_names": sorted(params)})
     return found
+
+
+# -- stage 3: parameters as chunks of the shards ---------------------------------------------
+
+
+def _model_entries(model: nn.Module, zero: ZeroOptimizer, names: dict[int, str]) -> dict:
+    """The `model.<name>` entries, to save or to load into in place: the parameters themselves
+    (stages 0-2, and parameters the ZeroOptimizer does not hold), or in stage 3 tensors of their
+    shapes over the shards (the parameters' own storage is released there)."""
+    entries = {_MODEL + name: p.detach() for name, p in model.named_parameters()}
+    if zero.stage == 3:
+        for bucket in zero.buckets:
+            chunks = None if zero.world_size == 1 else _chunks(zero, bucket)
+            for index, param in enumerate(bucket.params):
+                if chunks is None:  # one rank: the shard is the whole bucket
+                    offset = bucket.layout.offsets[index]
+                    view = bucket.shard[offset : offset + param.numel()].view(param.shape)
+                else:
+                    view = _sharded_param(zero, bucket, param.shape, chunks[index])
+                entries[_MODEL + names[id(param)]] = view
+    return entries
+
+
+def _sharded_param(
+    zero: ZeroOptimizer, bucket: _Bucket, shape: torch.Size, chunks: dict[int, Piece]
+) -> Tensor:
+    """Stage 3: a parameter of `shape` as a ShardedTensor: each rank's piece of it, a range of
+    its flattened elements, as boxes whose local tensors are consecutive views of the shard."""
+    boxes, local = [], []
+    for rank, piece in sorted(chunks.items()):
+        position = piece.shard_start  # where the next box of this piece starts in the shard
+        for offsets, sizes in range_boxes(shape, piece.param_start, piece.numel):
+            boxes.append((rank, offsets, sizes))
+            if rank == zero.rank:
+                numel = math.prod(sizes)
+                local.append(bucket.shard[position : position + numel].view(sizes))
+                position += numel
+    return _sharded(zero, shape, boxes, local, bucket.shard)
+
+
+def range_boxes(shape: Sequence[int], start: int, numel: int) -> list[tuple[list[int], list[int]]]:
+    """Elements [start, start + numel) of a row-major tensor of `shape`, flattened, as boxes
+    (offsets, sizes), in element order: each box is a contiguous range of the flattened tensor
+    and each starts where the previous one ends. In 2-D: the rest of the first row, the whole
+    rows, the start of the last row; in N-D at most 2N - 1 boxes. No boxes when numel is 0; a
+    0-d tensor's one element is the box ([], [])."""
+    shape = [int(d) for d in shape]
+    if numel < 0 or start < 0 or start + numel > math.prod(shape):
+        raise ValueError(
+            f"elements [{start}, {start + numel}) are not within a tensor of shape {tuple(shape)}"
+        )
+    if numel == 0:
+        return []
+    if len(shape) <= 1:
+        return [([start], [numel])] if shape else [([], [])]
+    row = math.prod(shape[1:])  # elements per index of the first dimension
+    end = start + numel
+    first, last = start // row, (end - 1) // row  # the rows the range touches
+
+    def in_row(index: int, lo: int, count: int) -> list[tuple[list[int], list[int]]]:
+        """Boxes of elements [lo, lo + count) of row `index` (a tensor of shape[1:])."""
+        return [([index, *o], [1, *s]) for o, s in range_boxes(shape[1:], lo, count)]
+
+    if first == last:
+        return in_row(first, start - first * row, numel)
+    boxes, tail = [], []
+    if start % row:  # the first row in part
+        boxes = in_row(first, start % row, row - start % row)
+        first += 1
+    if end % row:  # the last row in part
+        tail = in_row(last, 0, end % row)
+        last -= 1
+    if first <= last:  # whole rows
+        boxes.append(([first] + [0] * (len(shape) - 1), [last - first + 1, *shape[1:]]))
+    return boxes + tail
 
 
 # -- load ------------------------------------------------------------------------------------
@@ -310,10 +411,10 @@ def _request_states(
                 request[fqn] = flat[offset : offset + p.numel()]
             else:
                 mine = chunks[index].get(zero.rank)
-                view = None
+                views = []
                 if mine is not None:
-                    view = flat[mine.shard_start : mine.shard_start + mine.numel]
-                request[fqn] = _sharded(zero, p.numel(), chunks[index], view, flat)
+                    views = [flat[mine.shard_start : mine.shard_start + mine.numel]]
+                request[fqn] = _sharded(zero, [p.numel()], _flat_boxes(chunks[index]), views, flat)
     return found
 
 

@@ -475,11 +475,10 @@ class ZeroOptimizer:
             bucket.grad = None
 
     def _finish_backward(self) -> None:
-        """End of backward: start what has not started (buckets with unused parameters), wait."""
+        """End of backward: start what has not started (buckets with parameters unused here, on
+        this rank: every rank must run the same collectives), wait."""
         self._callback_queued = False
         for bucket in self.buckets:
-            if self.stage >= 2 and bucket.arrived == 0:
-                continue  # no gradient reached this bucket in this backward
             self._launch(bucket)
         while self._pending:
             self._finish_reduce(self._pending.popleft())
@@ -520,13 +519,16 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        for bucket in self.buckets:
+            if self.stage >= 2 and bucket.shard_grad is None:
+                # no backward since zero_grad: step a zero gradient, as stages 0 and 1 do
+                bucket.reduced = torch.zeros(
+                    bucket.layout.shard_numel, device=self._grad_device(bucket)
+                )
+                self._finish_reduce(bucket)
         if self.offload:
             for bucket in self.buckets:
-                grad = self._gradient(bucket)
-                if grad is None:
-                    bucket.cpu_shard.grad.zero_()
-                else:
-                    bucket.cpu_shard.grad.copy_(grad, non_blocking=True)
+                bucket.cpu_shard.grad.copy_(self._gradient(bucket), non_blocking=True)
             if any(g.is_cuda for g in self.gradients()):
                 torch.cuda.current_stream().synchronize()
         self.optimizer.step()

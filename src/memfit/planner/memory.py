@@ -257,6 +257,15 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     activations = L * per_layer + outside
     ce_saved, ce_transient = _cross_entropy(model, strategy)
     weight_copies = c_low * L * s["P_matmul_layer"]
+    output_grad = 4 * s["V"] * s["h"]
+    if strategy.zero == 3:
+        # parameters are gathered in the compute dtype (autocast copies nothing): the root (the
+        # embedding, final norm and output projection) and two blocks, the running one and the
+        # next, prefetched; the output projection's gradient is in that dtype too
+        c_param = 4 if strategy.precision == "fp32" else 2
+        root = P - L * s["P_layer"]
+        weight_copies = c_param * (root + 2 * s["P_layer"])
+        output_grad = c_param * s["V"] * s["h"]
     grads_alive_in_forward = grads if strategy.grad_accum > 1 else 0
 
     ws = CUBLAS_WORKSPACE_BYTES
@@ -275,9 +284,8 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     # backward starts with the loss's saved gradients: grad_weight becomes the output projection's
     # gradient, grad_hidden flows into the final norm. Checkpointed forwards dropped their weight
     # copies when autocast exited; unchecked ones keep them until each layer's backward.
-    output_grad = 4 * s["V"] * s["h"]
     grad_hidden = ce_saved - 4 * s["V"] * s["h"] if strategy.fused_cross_entropy else ce_saved
-    kept_copies = weight_copies if strategy.checkpointing == "none" else 0
+    kept_copies = weight_copies if strategy.checkpointing == "none" or strategy.zero == 3 else 0
     transient = _layer_backward_transient(model, strategy)
     backward_first = phase(
         grads=grads_alive_in_forward or output_grad,
@@ -287,10 +295,13 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     )
     # ... and ends with every layer's activations and copies freed and its fp32 gradients made
     layer_grad = 4 * s["P_layer"] // (N if strategy.zero >= 2 else 1)
+    # ZeRO-3 keeps the root gathered to the end (the embedding's gradient comes last) and one
+    # block's fp32 gradients in the reduce-scatter in flight
+    zero3_last = c_param * root + 4 * s["P_layer"] if strategy.zero == 3 else 0
     backward_last = phase(
         grads=grads if grads_alive_in_forward else min(grads, L * layer_grad + output_grad),
         activations=outside,
-        temporaries=transient,
+        temporaries=transient + zero3_last,
     )
     # torch's foreach SGD adds weight decay out of place: one gradient-sized temporary
     sgd_decay = grads if strategy.optimizer == "sgd" and strategy.offload == "none" else 0

@@ -1,7 +1,8 @@
 """Checkpoint I/O: atomic, verifiable, resumable.
 
 A checkpoint is a directory `RUN/checkpoints/step_000123/` holding
-    model.safetensors   the model's weights (fp32 master weights, memfit names)
+    model.safetensors   the model's weights (fp32 master weights, memfit names; ZeRO-3, where no
+                        rank holds them whole: exported from trainer/ by rank 0)
     trainer.pt          optimizer, LR schedule, loss scaler, data position, RNG states, step
       or trainer/       the same, sharded (ZeRO runs): torch.distributed.checkpoint files, each
                         rank's part of the optimizer state written by that rank
@@ -75,13 +76,19 @@ def save_checkpoint(
     write_sharded: Callable[[Path], None] | None = None,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
+    weights_from_sharded: bool = False,
 ) -> Path:
     """Write a checkpoint for `step` atomically and prune all but the `keep` newest.
 
     Data-parallel runs call this on every rank: rank 0 (`is_main`) writes the model's weights,
     the config and meta.json; `write_sharded(directory)`, when given, is called on every rank
     between `barrier`s and writes the training state sharded (ZeRO: each rank its own part, into
-    `trainer/`) instead of trainer.pt."""
+    `trainer/`) instead of trainer.pt. With `weights_from_sharded` (ZeRO-3: the parameters of
+    `model` hold no values between steps) rank 0 writes model.safetensors from the weights in
+    `trainer/` instead of from `model.state_dict()` (parameters only: the sharded state holds no
+    buffers)."""
+    if weights_from_sharded and write_sharded is None:
+        raise ValueError("weights_from_sharded=True needs write_sharded (the weights' source)")
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:07d}"
     tmp = root / f"step_{step:07d}.tmp"
@@ -95,12 +102,21 @@ def save_checkpoint(
         write_sharded(tmp / "trainer")
     barrier()
     if is_main:
-        weights = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
-        save_file(
-            weights,
-            str(tmp / "model.safetensors"),
-            metadata={"format": "memfit", "step": str(step)},
-        )
+        if weights_from_sharded:
+            from memfit.distributed.checkpoint import export_safetensors
+
+            export_safetensors(
+                tmp / "trainer", tmp / "model.safetensors", metadata={"step": str(step)}
+            )
+        else:
+            weights = {
+                name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()
+            }
+            save_file(
+                weights,
+                str(tmp / "model.safetensors"),
+                metadata={"format": "memfit", "step": str(step)},
+            )
         if write_sharded is None:
             torch.save(trainer_state, tmp / "trainer.pt")
         (tmp / "config.toml").write_text(config_toml)

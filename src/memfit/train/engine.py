@@ -306,6 +306,7 @@ class Trainer:
             model=self.model,
             model_config=self.model_config,
             trainer_state=self.trainer_state() if write_sharded is None else {},
+            weights_from_sharded=self.zero is not None and self.zero.stage == 3,
             config_toml=to_toml(self.config),
             tokenizer=self.config.data.tokenizer,
             keep=self.config.checkpoint.keep,
