@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -187,6 +188,7 @@ def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> Non
         dist.init_process_group("nccl")
         times, tokens, extra = _torch_worker(args, preset, system)
     peak = torch.cuda.max_memory_allocated()
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # offload: CPU memory too
     peaks: list = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)
     if dist.get_rank() == 0:
@@ -195,7 +197,8 @@ def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> Non
             "model": preset, "system": system, "gpus": dist.get_world_size(),
             "micro_batch": PRESETS[preset][0], "checkpointing": PRESETS[preset][1],
             "seq_len": args.seq_len, "step_s": step_s, "step_times_s": times,
-            "tokens_per_s_per_gpu": tokens / step_s, "peak_allocated_per_rank": peaks, **extra,
+            "tokens_per_s_per_gpu": tokens / step_s, "peak_allocated_per_rank": peaks,
+            "host_peak_rss_rank0": host, **extra,
         }  # fmt: skip
         Path(result_path).write_text(json.dumps(record))
     dist.barrier()

