@@ -163,6 +163,7 @@ class ZeroOptimizer:
         self.buckets: list[_Bucket] = []
         self.units: list[_Unit] = []
         self._pending: deque[_Bucket] = deque()  # stages 2, 3: reduce-scatters in flight
+        self._host = _HostBuffers()  # offload: where the CPU copies live
         groups = []
         for group in param_groups:
             params = [p for p in group["params"] if p.requires_grad]
@@ -198,7 +199,6 @@ class ZeroOptimizer:
         # parameter -> (its bucket, its index there), looked up by every gradient hook
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for bucket in self.buckets:
-            self._init_grads(bucket)
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self._callback_queued = False
@@ -206,8 +206,8 @@ class ZeroOptimizer:
             # ZeRO-Offload: the optimizer steps fp32 copies of the shards in (pinned) CPU memory
             for bucket in self.buckets:
                 if bucket.cpu_shard is None:
-                    bucket.cpu_shard = _to_host(bucket.shard)
-                bucket.cpu_shard.grad = _host_zeros(bucket.cpu_shard)
+                    bucket.cpu_shard = self._host.copy(bucket.shard)
+                bucket.cpu_shard.grad = self._host.empty(bucket.layout.shard_numel).zero_()
             by_id = {id(b.shard): b.cpu_shard for b in self.buckets}
             shard_groups = [
                 {**g, "params": [by_id[id(t)] for t in g["params"]]} for g in shard_groups
@@ -234,7 +234,7 @@ class ZeroOptimizer:
         shard = flat[bucket.start : bucket.end].clone()
         del flat
         if self.offload_params:
-            bucket.shard = bucket.cpu_shard = _to_host(shard)
+            bucket.shard = bucket.cpu_shard = self._host.copy(shard)
         else:
             bucket.shard = shard
         bucket.full = torch.empty(bucket.layout.padded_numel, dtype=self.param_dtype, device=device)
@@ -246,22 +246,34 @@ class ZeroOptimizer:
             param.data = view
         _free(bucket.full)
 
-    def _init_grads(self, bucket: _Bucket) -> None:
-        if self.stage in (0, 1):
-            bucket.grad = bucket.layout.empty(torch.float32, bucket.shard.device)
-            bucket.grad_views = [
-                view.view(param.shape)
-                for param, view in zip(bucket.params, bucket.layout.views(bucket.grad), strict=True)
-            ]
-            for param, view in zip(bucket.params, bucket.grad_views, strict=True):
-                param.grad = view  # autograd accumulates into it in place
-        if self.stage == 0:
+    # Gradients exist from the first backward after zero_grad to the next zero_grad (which frees
+    # them, as torch's zero_grad(set_to_none=True) does): not in a step's first forward, where
+    # activations peak. Stages 0, 1 make the full flat gradient when the bucket's first gradient
+    # arrives; stages 2, 3 make the gradient shard when the first reduce-scatter ends.
+
+    def _full_grads(self, bucket: _Bucket) -> None:
+        """Stages 0, 1: the bucket's flat fp32 gradient, the parameters' .grad views of it."""
+        bucket.grad = bucket.layout.empty(torch.float32, bucket.shard.device)
+        bucket.grad_views = [
+            view.view(param.shape)
+            for param, view in zip(bucket.params, bucket.layout.views(bucket.grad), strict=True)
+        ]
+        if self.stage == 0 and not self.offload:
             bucket.shard.grad = bucket.grad
-        elif self.stage == 1:
-            bucket.shard_grad = torch.zeros_like(bucket.shard)
-            bucket.shard.grad = bucket.shard_grad
-        # stages 2, 3: the gradient shard is made by the first reduce-scatter of a step and
-        # freed by zero_grad, so that it takes no memory in forward, when activations peak
+
+    def _shard_grad(self, bucket: _Bucket, value: Tensor | None = None) -> Tensor:
+        """Stages 1-3: this rank's fp32 gradient shard (zeros, or `value`), made if missing."""
+        if bucket.shard_grad is None:
+            if value is not None:
+                bucket.shard_grad = value.float()
+            else:
+                device = self._grad_device(bucket)
+                bucket.shard_grad = torch.zeros(bucket.layout.shard_numel, device=device)
+            if not self.offload:
+                bucket.shard.grad = bucket.shard_grad
+        elif value is not None:
+            bucket.shard_grad.add_(value)
+        return bucket.shard_grad
 
     # -- stage 3: gathering and releasing parameters -------------------------------------------
 
@@ -384,10 +396,12 @@ class ZeroOptimizer:
         self._queue_finish()
         bucket, index = self._slot[id(param)]
         if self.stage < 2:
+            if bucket.grad is None:
+                self._full_grads(bucket)
             view = bucket.grad_views[index]
-            if param.grad is not view:  # someone set .grad to None (e.g. model.zero_grad())
+            if param.grad is not view:  # autograd made it (the first backward since zero_grad)
                 view.copy_(param.grad)
-                param.grad = view
+                param.grad = view  # later micro-steps accumulate into it in place
         bucket.arrived += 1
         if bucket.arrived == len(bucket.params):
             self._launch(bucket)
@@ -405,9 +419,11 @@ class ZeroOptimizer:
         bucket.launched = True
         if self.stage >= 2:
             self._stage_gradients(bucket)
+        elif bucket.grad is None:  # no gradient reached it here; the collective still runs
+            self._full_grads(bucket)
         if not self.distributed:  # one process (single-GPU offload): the average is the gradient
             if self.stage == 1:
-                bucket.shard_grad.copy_(bucket.grad)
+                self._shard_grad(bucket).copy_(bucket.grad)
             elif self.stage >= 2:
                 bucket.reduced = bucket.grad
                 self._finish_reduce(bucket)
@@ -429,7 +445,7 @@ class ZeroOptimizer:
             )
             return
         if self.stage == 1 and not low:
-            target = bucket.shard_grad
+            target = self._shard_grad(bucket)
         else:
             target = bucket.reduced = torch.empty(
                 bucket.layout.shard_numel, dtype=self.reduce_dtype, device=source.device
@@ -463,13 +479,9 @@ class ZeroOptimizer:
             if self.stage == 0:
                 bucket.grad.copy_(bucket.reduced)
             elif self.stage == 1:
-                bucket.shard_grad.copy_(bucket.reduced)
-            elif bucket.shard_grad is None:  # the first reduce of this step
-                bucket.shard_grad = bucket.reduced.float()
-                if not self.offload:
-                    bucket.shard.grad = bucket.shard_grad
-            else:
-                bucket.shard_grad.add_(bucket.reduced)
+                self._shard_grad(bucket).copy_(bucket.reduced)
+            else:  # accumulates over micro-steps
+                self._shard_grad(bucket, bucket.reduced)
             bucket.reduced = None
         if self.stage >= 2:
             bucket.grad = None
@@ -519,13 +531,11 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for bucket in self.buckets:
-            if self.stage >= 2 and bucket.shard_grad is None:
-                # no backward since zero_grad: step a zero gradient, as stages 0 and 1 do
-                bucket.reduced = torch.zeros(
-                    bucket.layout.shard_numel, device=self._grad_device(bucket)
-                )
-                self._finish_reduce(bucket)
+        for bucket in self.buckets:  # no backward since zero_grad: step a zero gradient
+            if self.stage == 0 and bucket.grad is None:
+                self._full_grads(bucket)
+            elif self.stage >= 1:
+                self._shard_grad(bucket)
         if self.offload:
             for bucket in self.buckets:
                 bucket.cpu_shard.grad.copy_(self._gradient(bucket), non_blocking=True)
@@ -542,14 +552,13 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
-            if self.stage >= 2:
-                bucket.shard_grad = None
-                if not self.offload:
-                    bucket.shard.grad = None
-            else:
-                bucket.grad.zero_()
-                if self.stage == 1:
-                    bucket.shard_grad.zero_()
+            if self.stage < 2:
+                bucket.grad, bucket.grad_views = None, []
+                for param in bucket.params:
+                    param.grad = None
+            bucket.shard_grad = None
+            if not self.offload:
+                bucket.shard.grad = None
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states (stage 3: the
@@ -558,12 +567,12 @@ class ZeroOptimizer:
             params = 0 if self.offload_params else sum(b.shard.numel() * 4 for b in self.buckets)
         else:
             params = sum(b.flat_param.numel() * 4 for b in self.buckets)
-        # stages 2, 3: the gradient shards, which exist from backward to zero_grad
+        # the gradients, which exist from backward to zero_grad
         grads = sum(b.layout.shard_numel * 4 for b in self.buckets)
         if self.stage == 0:
-            grads = sum(b.grad.numel() * 4 for b in self.buckets)
+            grads = sum(b.layout.padded_numel * 4 for b in self.buckets)
         if self.stage == 1:
-            grads += sum(b.grad.numel() * 4 for b in self.buckets)
+            grads += sum(b.layout.padded_numel * 4 for b in self.buckets)
         optimizer = sum(
             t.numel() * t.element_size()
             for state in self.optimizer.state.values()
@@ -599,14 +608,34 @@ def _unit_params(
     return found
 
 
-def _to_host(tensor: Tensor) -> Tensor:
-    """A CPU copy, pinned when the tensor is on CUDA (for asynchronous copies)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-    return host.copy_(tensor.detach())
+class _HostBuffers:
+    """fp32 CPU buffers for offload, pinned (page-locked, for asynchronous copies) when CUDA is
+    there. torch's pinned allocator rounds every allocation up to a power of two, which for
+    buckets of arbitrary sizes costs up to 2x (measured: 22 GiB more host memory for
+    llama-2-7b's optimizer offload), so buffers are carved out of slabs whose sizes are powers
+    of two, growing from 64 MiB to 1 GiB."""
 
+    MIN_SLAB, MAX_SLAB = 1 << 24, 1 << 28  # fp32 elements
 
-def _host_zeros(like: Tensor) -> Tensor:
-    return torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_pinned())
+    def __init__(self) -> None:
+        self.pin = torch.cuda.is_available()
+        self.slab: Tensor | None = None
+        self.used = 0
+
+    def empty(self, numel: int) -> Tensor:
+        if not self.pin:
+            return torch.empty(numel)
+        if self.slab is None or self.used + numel > self.slab.numel():
+            size = max(self.MIN_SLAB, 2 * self.slab.numel() if self.slab is not None else 0)
+            size = min(self.MAX_SLAB, size)
+            if numel > size:  # larger than a slab: its own allocation
+                return torch.empty(numel, pin_memory=True)
+            self.slab, self.used = torch.empty(size, pin_memory=True), 0
+        self.used += numel
+        return self.slab[self.used - numel : self.used]
+
+    def copy(self, tensor: Tensor) -> Tensor:
+        return self.empty(tensor.numel()).copy_(tensor.detach().reshape(-1))
 
 
 def _free(tensor: Tensor) -> None:
