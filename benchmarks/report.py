@@ -403,8 +403,9 @@ def zero_table(run: dict) -> str:
     records = run["records"]
     gpus = next((r["gpus"] for r in records if "gpus" in r), "?")
     lines = [
-        _env_line(run, f"{gpus} GPUs, seq 2048, bf16 autocast, median of {run['repeat']} steps "
-                  f"after {run['warmup']} warm-up steps; peak = max_memory_allocated per rank."),
+        _env_line(run, f"{gpus} GPU{'s' if gpus != 1 else ''}, seq 2048, bf16 autocast, median "
+                  f"of {run['repeat']} steps after {run['warmup']} warm-up steps; peak = "
+                  "max_memory_allocated per rank over the training steps."),
         "",
         "| model | micro-batch | checkpointing | system | tokens/s per GPU | vs DDP | peak per rank "
         "(GiB) | memfit planned (GiB) |",
