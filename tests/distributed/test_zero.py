@@ -181,3 +181,38 @@ def test_model_zero_grad_to_none_does_not_lose_gradients():
         optimizer.zero_grad()
     for got, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
         torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("fused", [True, False])
+def test_offloaded_step_sees_what_the_gradients_were_multiplied_by(stage, fused):
+    """Offload copies each gradient to the host as soon as it is final, before the loss
+    scaler's unscaling and the clipping multiply the device gradients: the CPU step applies the
+    same factor (fused AdamW: through its grad_scale; otherwise: a multiply). eps=1 makes AdamW
+    sensitive to the gradients' scale."""
+    options = {"fused": True} if fused else {"foreach": True}
+
+    def factory(groups):
+        return torch.optim.AdamW(groups, lr=LR, eps=1.0, **options)
+
+    model, reference_model = make_model(), make_model()
+    zero = ZeroOptimizer(
+        parameter_groups(model, 0.1), factory, stage=stage, bucket_numel=50, offload=True
+    )
+    optimizer = factory(parameter_groups(reference_model, 0.1))
+    x, y = torch.randn(4, 7), torch.randn(4, 3)
+    for _ in range(2):
+        nn.functional.mse_loss(model(x), y).backward()
+        torch._foreach_mul_(zero.gradients(), 0.25)  # what DynamicLossScaler does, then tells
+        zero.note_gradients_scaled(0.25)
+        zero.clip_grad_norm_(0.05)
+        zero.step()
+        zero.zero_grad()
+        nn.functional.mse_loss(reference_model(x), y).backward()
+        for param in reference_model.parameters():
+            param.grad.mul_(0.25)
+        torch.nn.utils.clip_grad_norm_(reference_model.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    for got, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)

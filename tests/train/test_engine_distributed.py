@@ -239,3 +239,18 @@ def test_two_gpus_train_like_one(tmp_path, zero, offload, checkpointing, reduce_
     assert all(r[0] == "ok" for r in results.values()), results
     ref_losses, _ = reference(tmp_path, micro_batch=4, **gpu)
     assert results[0][1] == pytest.approx(ref_losses, rel=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("zero, offload", [(0, "optimizer"), (3, "params")])
+def test_offload_on_one_gpu_trains_like_the_plain_optimizer(tmp_path, zero, offload, precision):
+    """The CPU test's twin on CUDA: gradients go to the host on a copy stream during backward;
+    fp16's unscaling and the clipping reach the CPU step through note_gradients_scaled."""
+    gpu = {"device": "cuda", "precision": precision}
+    plain = Trainer(config(str(tmp_path), micro_batch=2, name="plain", **gpu))
+    offloaded = Trainer(
+        config(str(tmp_path), micro_batch=2, zero=zero, offload=offload, name="offload", **gpu)
+    )
+    for _ in range(STEPS):
+        assert offloaded.train_step().loss == pytest.approx(plain.train_step().loss, rel=1e-2)

@@ -52,8 +52,11 @@ fp32 master copy of each shard live in (pinned) CPU memory and the optimizer ste
 vectorized AdamW over the flat shard); the averaged gradient shard is copied to the host before
 the step and the updated shard back after it. `offload="params"` (stage 3) also keeps the
 parameter shards there only: a unit's all-gather starts with a host-to-device copy of the shard.
-Both run without a process group, on one GPU. Not yet: the device-to-host gradient copies
-overlapped with backward (they run at `step`).
+Both run without a process group, on one GPU. Each bucket's gradient is copied to the host, on
+its own CUDA stream, as soon as it is final (after the last micro-step's reduction), so the copies
+overlap the rest of backward; what the loss scaler's unscaling and clipping multiply the device
+gradients by afterwards (`note_gradients_scaled`) is applied in the CPU step, by the fused AdamW's
+own grad_scale (no extra pass over the host memory) or by a multiply.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class _Bucket:
         self.launched = False  # its collective has started in this backward
         self.work = None
         self.reduced: Tensor | None = None  # output of a collective into a staging tensor
+        self.offloaded = False  # offload: its final gradient of this step is copied to the host
 
 
 class _Unit:
@@ -164,6 +168,10 @@ class ZeroOptimizer:
         self.units: list[_Unit] = []
         self._pending: deque[_Bucket] = deque()  # stages 2, 3: reduce-scatters in flight
         self._host = _HostBuffers()  # offload: where the CPU copies live
+        # offload: gradients go to the host on their own stream as soon as they are final, and
+        # what clipping or unscaling multiplies them by afterwards is applied in the CPU step
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._grad_factor: Tensor | None = None
         groups = []
         for group in param_groups:
             params = [p for p in group["params"] if p.requires_grad]
@@ -204,6 +212,8 @@ class ZeroOptimizer:
         self._callback_queued = False
         if self.offload:
             # ZeRO-Offload: the optimizer steps fp32 copies of the shards in (pinned) CPU memory
+            if self._grad_device(self.buckets[0]).type == "cuda":
+                self._copy_stream = torch.cuda.Stream(self._grad_device(self.buckets[0]))
             for bucket in self.buckets:
                 if bucket.cpu_shard is None:
                     bucket.cpu_shard = self._host.copy(bucket.shard)
@@ -416,7 +426,7 @@ class ZeroOptimizer:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.launched or (self.stage < 2 and not self.sync):
             return
-        bucket.launched = True
+        bucket.launched, bucket.offloaded = True, False
         if self.stage >= 2:
             self._stage_gradients(bucket)
         elif bucket.grad is None:  # no gradient reached it here; the collective still runs
@@ -426,7 +436,7 @@ class ZeroOptimizer:
                 self._shard_grad(bucket).copy_(bucket.grad)
             elif self.stage >= 2:
                 bucket.reduced = bucket.grad
-                self._finish_reduce(bucket)
+            self._finish_reduce(bucket)
             return
         if self.stage >= 2:  # bound the memory of reduce-scatters in flight
             while len(self._pending) >= _IN_FLIGHT:
@@ -485,6 +495,28 @@ class ZeroOptimizer:
             bucket.reduced = None
         if self.stage >= 2:
             bucket.grad = None
+        if self.offload and self.sync and bucket.launched and not bucket.offloaded:
+            self._offload_gradient(bucket)
+
+    def _offload_gradient(self, bucket: _Bucket) -> None:
+        """Start copying the bucket's final gradient of the step to the host (on CUDA: on the
+        copy stream, overlapped with the rest of backward)."""
+        grad, host = self._gradient(bucket), bucket.cpu_shard.grad
+        if self._copy_stream is None:
+            host.copy_(grad)
+        else:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(grad.device))
+            with torch.cuda.stream(self._copy_stream):
+                host.copy_(grad, non_blocking=True)
+            grad.record_stream(self._copy_stream)  # not reused while the copy reads it
+        bucket.offloaded = True
+
+    def note_gradients_scaled(self, factor: Tensor | float) -> None:
+        """The caller multiplied `gradients()` by `factor` in place (e.g. loss-scale unscaling):
+        with offload, the host copies made before get it too, in the step."""
+        if self.offload:
+            factor = torch.as_tensor(factor, dtype=torch.float32)
+            self._grad_factor = factor if self._grad_factor is None else self._grad_factor * factor
 
     def _finish_backward(self) -> None:
         """End of backward: start what has not started (buckets with parameters unused here, on
@@ -527,6 +559,7 @@ class ZeroOptimizer:
         if 0 < max_norm < math.inf:
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, scale)
+            self.note_gradients_scaled(scale)
         return norm
 
     @torch.no_grad()
@@ -537,11 +570,10 @@ class ZeroOptimizer:
             elif self.stage >= 1:
                 self._shard_grad(bucket)
         if self.offload:
-            for bucket in self.buckets:
-                bucket.cpu_shard.grad.copy_(self._gradient(bucket), non_blocking=True)
-            if any(g.is_cuda for g in self.gradients()):
-                torch.cuda.current_stream().synchronize()
+            self._host_gradients()
         self.optimizer.step()
+        if hasattr(self.optimizer, "grad_scale"):
+            del self.optimizer.grad_scale
         if self.offload and not self.offload_params:
             for bucket in self.buckets:
                 bucket.shard.copy_(bucket.cpu_shard, non_blocking=True)
@@ -550,8 +582,28 @@ class ZeroOptimizer:
                 shard = bucket.flat_param[bucket.start : bucket.end].clone()
                 dist.all_gather_into_tensor(bucket.flat_param, shard, group=self.group)
 
-    def zero_grad(self) -> None:
+    def _host_gradients(self) -> None:
+        """Offload, before the CPU step: the gradients not yet copied are copied, every copy is
+        waited for, and the factor the device gradients were multiplied by since is applied:
+        by the fused optimizer's own unscaling (its grad_scale divides each gradient as it is
+        read: no extra pass over the host memory), else by a multiply."""
         for bucket in self.buckets:
+            if not bucket.offloaded:
+                self._offload_gradient(bucket)
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        if self._grad_factor is not None:
+            factor = self._grad_factor.to("cpu", torch.float32)
+            self._grad_factor = None
+            if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                self.optimizer.grad_scale = 1.0 / factor
+            else:
+                torch._foreach_mul_([b.cpu_shard.grad for b in self.buckets], factor)
+
+    def zero_grad(self) -> None:
+        self._grad_factor = None  # a skipped step's factor must not reach the next one
+        for bucket in self.buckets:
+            bucket.offloaded = False
             if self.stage < 2:
                 bucket.grad, bucket.grad_views = None, []
                 for param in bucket.params:

@@ -442,6 +442,8 @@ class Trainer:
             step = self.optimizer.step
             zero_grad = lambda: self.optimizer.zero_grad(set_to_none=True)  # noqa: E731
         finite = self.scaler.unscale_and_check_grads(grads, across_ranks=self.world.distributed)
+        if self.zero is not None and self.scaler.enabled:  # offload: for the host's copies
+            self.zero.note_gradients_scaled(1.0 / self.scaler.scale_value)
         grad_norm = torch.zeros((), device=self.device)
         if finite:
             grad_norm = clip(train.grad_clip)
