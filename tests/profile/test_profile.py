@@ -258,3 +258,11 @@ def test_profile_on_cuda(tmp_path, checkpointing):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "pip install matplotlib" in console.export_text()
+
+
+def test_run_profile_refuses_zero_and_offload_runs(tmp_path):
+    config = build_config(
+        flags={"train": {"device": "cpu"}, "distributed": {"offload": "optimizer"}}
+    )
+    with pytest.raises(ValueError, match="not profiled by it yet"):
+        run_profile(config, Console(file=None), steps=1)

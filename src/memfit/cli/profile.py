@@ -14,7 +14,7 @@ from memfit.config import Config
 from memfit.models.config import format_params
 from memfit.profile.measure import CATEGORIES, PHASES, MemoryMeasurement, measure_memory
 from memfit.profile.timeline import MatplotlibMissing, plot_timeline
-from memfit.train.engine import Trainer
+from memfit.train.engine import ConfigError, Trainer
 
 
 def format_bytes(n: int | None) -> str:
@@ -85,6 +85,13 @@ def run_profile(
     """Build the Trainer of `config`, measure `steps` steps (after one warm-up step), print the
     breakdown (beside `plan_fn(trainer)`'s if given) and, on CUDA, write the timeline plot to
     `png` (default RUN_DIR/memory_timeline.png)."""
+    dist = config.distributed
+    if dist.zero or dist.offload != "none":
+        raise ConfigError(
+            "memfit profile measures single-process runs; ZeRO and offload runs (--zero "
+            f"{dist.zero} --offload {dist.offload}) are not profiled by it yet: "
+            "benchmarks/zero.py measures their peak per rank against memfit plan"
+        )
     trainer = Trainer(config)
     mc = trainer.model_config
     console.print(
