@@ -386,16 +386,12 @@ def test_save_checkpoint_exports_the_weights_from_the_sharded_state(tmp_path, re
     values), with the usual metadata, and meta.json records its size."""
     model, zero = build(3, offload="params")
     train(model, zero, range(BEFORE))
+    common = {
+        "step": BEFORE, "model": model, "model_config": PRESETS["tiny"], "trainer_state": {},
+        "config_toml": "", "tokenizer": "byte", "weights_from_sharded": True,
+    }  # fmt: skip
     final = save_checkpoint(
-        tmp_path,
-        step=BEFORE,
-        model=model,
-        model_config=PRESETS["tiny"],
-        trainer_state={},
-        config_toml="",
-        tokenizer="byte",
-        write_sharded=lambda directory: save_zero(directory, model, zero),
-        weights_from_sharded=True,
+        tmp_path, write_sharded=lambda directory: save_zero(directory, model, zero), **common
     )
     assert "model.safetensors" in read_meta(final)["sizes"]
     weights = load_file(str(final / "model.safetensors"))
@@ -404,16 +400,7 @@ def test_save_checkpoint_exports_the_weights_from_the_sharded_state(tmp_path, re
     with safe_open(str(final / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "memfit", "step": str(BEFORE)}
     with pytest.raises(ValueError, match="needs write_sharded"):
-        save_checkpoint(
-            tmp_path,
-            step=BEFORE,
-            model=model,
-            model_config=PRESETS["tiny"],
-            trainer_state={},
-            config_toml="",
-            tokenizer="byte",
-            weights_from_sharded=True,
-        )
+        save_checkpoint(tmp_path, **common)
 
 
 # -- range_boxes -----------------------------------------------------------------------------

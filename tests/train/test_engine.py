@@ -295,3 +295,28 @@ def test_out_of_memory_says_what_the_planner_would_run(tmp_path, monkeypatch):
     monkeypatch.setattr(planner, "detect_gpu", lambda: dataclasses.replace(h100, memory_bytes=1))
     with pytest.raises(torch.OutOfMemoryError, match="no single change fits"):
         trainer.train_step()
+
+
+def test_preflight_refuses_what_cannot_fit_and_says_what_would():
+    """Before a CUDA run: over 1.25x the GPU, refused with the single changes that fit; over,
+    but closer, a warning; else nothing."""
+    import dataclasses
+
+    import memfit.planner as planner
+    from memfit.models.config import load_model_config
+    from memfit.train.engine import PREFLIGHT_REFUSE, preflight
+
+    model = load_model_config("llama-2-7b")
+    strategy = planner.Strategy(precision="bf16", micro_batch=2, seq_len=2048, zero=3, world_size=2)
+    h100 = planner.get_gpu("h100-sxm")
+    need = planner.plan(model, strategy, h100).required_bytes
+    assert preflight(model, strategy, h100) == ("ok", None)
+    close = dataclasses.replace(h100, memory_bytes=int(need / (PREFLIGHT_REFUSE - 0.1)))
+    verdict, message = preflight(model, strategy, close)
+    assert verdict == "warn" and "it may run out of memory" in message
+    small = dataclasses.replace(h100, memory_bytes=need // 2)
+    verdict, message = preflight(model, strategy, small)
+    assert verdict == "refuse"
+    assert message.startswith("llama-2-7b (bf16, mb 2, seq 2048, ckpt none, zero 3 x 2 GPUs)")
+    assert "it cannot fit" in message and "single changes that fit: " in message
+    assert "--zero 3 on 16 GPUs (" in message  # the planner's cheapest single change here

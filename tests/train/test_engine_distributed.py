@@ -65,7 +65,10 @@ def _worker(rank, world_size, port, tmp, kwargs, queue):
             per_rank["lr"] = per_rank.pop("rank1_lr")
         per_rank.pop("rank1_lr", None)
         stop_at = per_rank.pop("stop_at", None)
+        dies = per_rank.pop("rank1_dies", False)
         trainer = Trainer(config(tmp, **per_rank))
+        if dies and rank == 1:
+            os._exit(1)  # a rank that dies without a word (killed, segfault, lost node)
         if stop_at:  # interrupted: a checkpoint after stop_at of the configured steps
             losses = [trainer.train_step().loss for _ in range(stop_at)]
             trainer.save()
@@ -159,6 +162,26 @@ def test_ranks_with_different_settings_stop_with_a_clear_error(tmp_path):
     for status, message, *_ in results.values():
         assert status == "ConfigError", results
         assert "different settings (config)" in message
+
+
+def test_a_rank_that_dies_ends_the_others_with_an_error(tmp_path):
+    """Rank 1 exits right after start-up: rank 0's next collective fails (it does not hang),
+    within the timeout."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    kwargs = {"micro_batch": 2, "zero": 2, "rank1_dies": True}
+    procs = [
+        ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path), kwargs, queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    rank, status, *_ = queue.get(timeout=180)
+    for p in procs:
+        p.join(timeout=60)
+    assert rank == 0 and status != "ok"
+    assert procs[1].exitcode == 1
 
 
 def test_zero_without_a_process_group_says_how_to_launch(tmp_path):

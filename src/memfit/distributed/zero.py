@@ -98,6 +98,7 @@ class _Bucket:
         self.work = None
         self.reduced: Tensor | None = None  # output of a collective into a staging tensor
         self.offloaded = False  # offload: its final gradient of this step is copied to the host
+        self.unit: _Unit | None = None  # stage 3: the unit it is gathered with
 
 
 class _Unit:
@@ -195,6 +196,8 @@ class ZeroOptimizer:
                     self.buckets.append(bucket)
                     shard_groups[group_index]["params"].append(bucket.shard)
                 unit = _Unit(index, buckets, root=index == len(units))
+                for bucket in buckets:
+                    bucket.unit = unit
                 self.units.append(unit)
             self._register_unit_hooks(list(units) + [root])
         else:
@@ -415,13 +418,8 @@ class ZeroOptimizer:
         bucket.arrived += 1
         if bucket.arrived == len(bucket.params):
             self._launch(bucket)
-            if self.stage == 3:
-                unit = self._unit_of(bucket)
-                if all(b.launched for b in unit.buckets):
-                    self._release(unit)
-
-    def _unit_of(self, bucket: _Bucket) -> _Unit:
-        return next(u for u in self.units if any(b is bucket for b in u.buckets))
+            if self.stage == 3 and all(b.launched for b in bucket.unit.buckets):
+                self._release(bucket.unit)
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.launched or (self.stage < 2 and not self.sync):

@@ -59,6 +59,48 @@ class ConfigError(ValueError):
     """A strategy that cannot run as configured."""
 
 
+# The planner's peaks are within about 5% of measured ones (BENCHMARKS.md): a run it puts this
+# far over the GPU is refused before anything is allocated; one over but closer gets a warning.
+PREFLIGHT_REFUSE = 1.25
+
+
+def planner_advice(model_config, strategy, gpu) -> tuple[int, list[str]]:
+    """The bytes per GPU the planner puts `strategy` at on `gpu`, and two lines saying so and
+    which single changes would fit (`what_would_fit`)."""
+    from memfit.planner import plan, what_would_fit
+
+    need = plan(model_config, strategy, gpu).required_bytes
+    lines = [
+        f"memfit's planner puts this run at {need / 2**30:.1f} GiB per GPU, the {gpu.name} has "
+        f"{gpu.memory_bytes / 2**30:.1f} GiB"
+    ]
+    fixes = what_would_fit(model_config, strategy, gpu)[:3]
+    if fixes:
+        lines.append(
+            "single changes that fit: "
+            + "; ".join(f"{label} ({p.required_bytes / 2**30:.1f} GiB)" for label, p in fixes)
+        )
+    else:
+        lines.append(
+            "no single change fits: `memfit plan --recommend` ranks combined strategies "
+            "(checkpointing, ZeRO across GPUs, offload)"
+        )
+    return need, lines
+
+
+def preflight(model_config, strategy, gpu) -> tuple[str, str | None]:
+    """What the planner says of a run before it starts: ("ok", None), or ("warn" | "refuse",
+    the message: the run's size against the GPU's and the single changes that would fit)."""
+    need, lines = planner_advice(model_config, strategy, gpu)
+    if need <= gpu.memory_bytes:
+        return "ok", None
+    verdict = "refuse" if need > PREFLIGHT_REFUSE * gpu.memory_bytes else "warn"
+    lines[0] = f"{model_config.name} ({strategy.describe()}): {lines[0]}" + (
+        ": it cannot fit" if verdict == "refuse" else ": it may run out of memory"
+    )
+    return verdict, "\n".join(lines)
+
+
 def device_peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak of the present GPU from the planner's hardware catalog (for MFU)."""
     if device.type != "cuda":
@@ -197,6 +239,17 @@ class Trainer:
             window=self.model_config.sliding_window,
         )
         self.attention = attention
+        if self.device.type == "cuda":
+            from memfit.planner import detect_gpu
+
+            gpu = detect_gpu()
+            verdict, message = (
+                preflight(self.model_config, self.strategy(), gpu) if gpu else ("ok", None)
+            )
+            if verdict == "refuse":
+                raise ConfigError(message)
+            if verdict == "warn" and self.world.is_main:
+                logger.warning("%s", message)
         self.model = build_model(
             self.model_config, device=self.device, attention=attention, seed=train.seed
         )
@@ -376,31 +429,13 @@ class Trainer:
         )  # fmt: skip
 
     def _out_of_memory(self, error: torch.OutOfMemoryError) -> OutOfMemory:
-        from memfit.planner import detect_gpu, plan, what_would_fit
+        from memfit.planner import detect_gpu
 
         first = str(error).strip().splitlines()[0] if str(error).strip() else "CUDA out of memory"
         lines = [f"step {self.step + 1} ran out of memory on {self.device}: {first}"]
         gpu = detect_gpu() if self.device.type == "cuda" else None
         if gpu is not None:
-            strategy = self.strategy()
-            need = plan(self.model_config, strategy, gpu).required_bytes
-            lines.append(
-                f"memfit's planner puts this run at {need / 2**30:.1f} GiB per GPU, the "
-                f"{gpu.name} has {gpu.memory_bytes / 2**30:.1f} GiB"
-            )
-            fixes = what_would_fit(self.model_config, strategy, gpu)[:3]
-            if fixes:
-                lines.append(
-                    "single changes that fit: "
-                    + "; ".join(
-                        f"{label} ({p.required_bytes / 2**30:.1f} GiB)" for label, p in fixes
-                    )
-                )
-            else:
-                lines.append(
-                    "no single change fits: `memfit plan --recommend` ranks combined strategies "
-                    "(checkpointing, ZeRO across GPUs, offload)"
-                )
+            lines += planner_advice(self.model_config, self.strategy(), gpu)[1]
         else:
             lines.append(
                 "Try a smaller --micro-batch (with a larger --grad-accum), --checkpointing full, "
