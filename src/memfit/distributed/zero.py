@@ -76,6 +76,10 @@ from memfit.distributed.flat import FlatLayout
 
 __all__ = ["ZeroOptimizer", "zero_state_bytes"]
 
+# one piece per rank gathered into, or reduced and scattered from, one flat tensor: torch 2.13
+# names these *_single (the older names, all torch 2.11 has, warn there)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _IN_FLIGHT = 1  # stages 2, 3: reduce-scatters outstanding at once (their buffers held)
 
 
@@ -309,9 +313,7 @@ class ZeroOptimizer:
             send = bucket.shard.to(self._device, self.param_dtype, non_blocking=True)
             if self.distributed:
                 unit.sends.append(send)
-                unit.works.append(
-                    dist.all_gather_into_tensor(full, send, group=self.group, async_op=True)
-                )
+                unit.works.append(_all_gather(full, send, group=self.group, async_op=True))
             else:
                 full.copy_(send)
 
@@ -376,7 +378,7 @@ class ZeroOptimizer:
             flat = torch.empty(bucket.layout.padded_numel, device=self._device)
             shard = bucket.shard.to(self._device)
             if self.distributed:
-                dist.all_gather_into_tensor(flat, shard, group=self.group)
+                _all_gather(flat, shard, group=self.group)
             else:
                 flat.copy_(shard)
             for param, view in zip(bucket.params, bucket.layout.views(flat), strict=True):
@@ -458,7 +460,7 @@ class ZeroOptimizer:
             target = bucket.reduced = torch.empty(
                 bucket.layout.shard_numel, dtype=self.reduce_dtype, device=source.device
             )
-        bucket.work = dist.reduce_scatter_tensor(
+        bucket.work = _reduce_scatter(
             target, source, op=dist.ReduceOp.AVG, group=self.group, async_op=True
         )
         if self.stage >= 2:
@@ -578,7 +580,7 @@ class ZeroOptimizer:
         if self.stage in (1, 2) and self.distributed:
             for bucket in self.buckets:
                 shard = bucket.flat_param[bucket.start : bucket.end].clone()
-                dist.all_gather_into_tensor(bucket.flat_param, shard, group=self.group)
+                _all_gather(bucket.flat_param, shard, group=self.group)
 
     def _host_gradients(self) -> None:
         """Offload, before the CPU step: the gradients not yet copied are copied, every copy is
