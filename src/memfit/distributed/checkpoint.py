@@ -215,12 +215,8 @@ def _state_entries(
             return
         chunks = _chunks(zero, bucket)
         for index, p in enumerate(bucket.params):
-            mine = chunks[index].get(zero.rank)
-            local = []
-            if mine is not None:
-                local = [value[base + mine.shard_start : base + mine.shard_start + mine.numel]]
             fqn = _STATE + f"{names[id(p)]}.{key}"
-            yield fqn, _sharded(zero, [p.numel()], _flat_boxes(chunks[index]), local, value)
+            yield fqn, _sharded_pieces(zero, value, [p.numel()], chunks[index], base)
     elif isinstance(value, Tensor) and value.dim() == 0:
         for p in bucket.params:  # the same on every rank: DCP writes one copy
             yield _STATE + f"{names[id(p)]}.{key}", value
@@ -270,11 +266,6 @@ def _sharded(
     )
 
 
-def _flat_boxes(chunks: dict[int, Piece]) -> list[tuple[int, list[int], list[int]]]:
-    """The chunks of a 1-D tensor (a per-element optimizer state): one per rank's piece."""
-    return [(rank, [piece.param_start], [piece.numel]) for rank, piece in sorted(chunks.items())]
-
-
 def _groups(zero: ZeroOptimizer, names: dict[int, str]) -> list[dict]:
     found = []
     for group_index, group in enumerate(zero.optimizer.param_groups):
@@ -302,26 +293,32 @@ def _model_entries(model: nn.Module, zero: ZeroOptimizer, names: dict[int, str])
                     offset = bucket.layout.offsets[index]
                     view = bucket.shard[offset : offset + param.numel()].view(param.shape)
                 else:
-                    view = _sharded_param(zero, bucket, param.shape, chunks[index])
+                    view = _sharded_pieces(zero, bucket.shard, param.shape, chunks[index])
                 entries[_MODEL + names[id(param)]] = view
     return entries
 
 
-def _sharded_param(
-    zero: ZeroOptimizer, bucket: _Bucket, shape: torch.Size, chunks: dict[int, Piece]
+def _sharded_pieces(
+    zero: ZeroOptimizer,
+    shard: Tensor,
+    shape: Sequence[int],
+    chunks: dict[int, Piece],
+    base: int = 0,
 ) -> Tensor:
-    """Stage 3: a parameter of `shape` as a ShardedTensor: each rank's piece of it, a range of
-    its flattened elements, as boxes whose local tensors are consecutive views of the shard."""
+    """A parameter (or a per-element state of it, 1-D) of `shape` as a ShardedTensor: each
+    rank's piece of it, a range of its flattened elements, as boxes whose local tensors are
+    consecutive views of this rank's `shard` (from `base`: stage 0's state is the whole bucket,
+    where this rank's shard starts at bucket.start)."""
     boxes, local = [], []
     for rank, piece in sorted(chunks.items()):
-        position = piece.shard_start  # where the next box of this piece starts in the shard
+        position = base + piece.shard_start  # where the next box of this piece starts
         for offsets, sizes in range_boxes(shape, piece.param_start, piece.numel):
             boxes.append((rank, offsets, sizes))
             if rank == zero.rank:
                 numel = math.prod(sizes)
-                local.append(bucket.shard[position : position + numel].view(sizes))
+                local.append(shard[position : position + numel].view(sizes))
                 position += numel
-    return _sharded(zero, shape, boxes, local, bucket.shard)
+    return _sharded(zero, shape, boxes, local, shard)
 
 
 def range_boxes(shape: Sequence[int], start: int, numel: int) -> list[tuple[list[int], list[int]]]:
@@ -410,11 +407,7 @@ def _request_states(
                 offset = bucket.layout.offsets[index]
                 request[fqn] = flat[offset : offset + p.numel()]
             else:
-                mine = chunks[index].get(zero.rank)
-                views = []
-                if mine is not None:
-                    views = [flat[mine.shard_start : mine.shard_start + mine.numel]]
-                request[fqn] = _sharded(zero, [p.numel()], _flat_boxes(chunks[index]), views, flat)
+                request[fqn] = _sharded_pieces(zero, flat, [p.numel()], chunks[index])
     return found
 
 

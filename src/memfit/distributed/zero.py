@@ -246,10 +246,12 @@ class ZeroOptimizer:
         """Stage 3: keep this rank's fp32 shard; the parameters become views of a param_dtype
         buffer released at once (its storage has no memory until the unit is gathered)."""
         device = bucket.params[0].device
-        flat = bucket.layout.empty(torch.float32, device)
-        bucket.layout.pack([p.detach() for p in bucket.params], flat)
-        shard = flat[bucket.start : bucket.end].clone()
-        del flat
+        shard = torch.zeros(bucket.layout.shard_numel, device=device)  # padding stays zero
+        for piece in bucket.layout.pieces(self.rank):  # this rank's slices of the parameters
+            values = bucket.params[piece.index].detach().reshape(-1)
+            shard[piece.shard_start : piece.shard_start + piece.numel].copy_(
+                values[piece.param_start : piece.param_start + piece.numel]
+            )
         if self.offload_params:
             bucket.shard = bucket.cpu_shard = self._host.copy(shard)
         else:
