@@ -3,6 +3,7 @@
     python benchmarks/zero.py --gpus 2                      # llama-1b mb4 and llama-2-7b mb2 full
     python benchmarks/zero.py --gpus 2 --presets llama-1b --systems ddp zero1 fsdp2
     python benchmarks/zero.py --gpus 1 --presets llama-2-7b --systems zero0+offload zero3+offload
+    python benchmarks/zero.py --gpus 8 --presets llama-2-7b llama-2-13b   # the scaling run
 
 Each (preset, system) runs as its own `torchrun --nproc_per_node N` job on the same inputs (the
 built-in data, seq 2048): memfit systems are `memfit train` as the engine runs it (`--zero S`,
@@ -12,8 +13,10 @@ is torch DistributedDataParallel around the same model, same autocast, same opti
 is torch's `fully_shard` per transformer block and on the root, bf16 parameters and fp32
 gradient reduction (the settings of ../shared/ANCHORS.md). Recorded per run: tokens/s per GPU
 (median step after warm-up), peak allocated bytes per rank over the training steps (the peak
-statistics are reset once the model and optimizer are built, for every system), and for memfit
-the planner's peak per rank for the same strategy. Results: benchmarks/results/zero.json (`--out DIR` elsewhere).
+statistics are reset once the model and optimizer are built, for every system), and the planner's
+peak per rank and step time for the same strategy (DDP planned as ZeRO-0, FSDP2 as ZeRO-3).
+A job the planner puts over the GPU's memory (or, offloaded, over the host's) is not launched: its
+record says why. Results: benchmarks/results/zero.json (`--out DIR` elsewhere).
 
 NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0 and friends), as the GPU machines
 need.
@@ -42,6 +45,8 @@ import harness  # noqa: E402
 PRESETS = {  # name: (micro_batch, checkpointing)
     "llama-1b": (4, "none"),
     "llama-2-7b": (2, "full"),
+    "llama-2-13b": (2, "full"),
+    "llama-3-70b": (1, "full"),
 }
 SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2", "zero0+offload", "zero3+offload")
 SAFE_ENV = {
@@ -54,12 +59,17 @@ SAFE_ENV = {
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    p.add_argument(
+        "--presets", nargs="+", default=["llama-1b", "llama-2-7b"], choices=list(PRESETS)
+    )
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=8)
     p.add_argument("--timeout", type=int, default=900, help="seconds per (preset, system) job")
+    p.add_argument(
+        "--force", action="store_true", help="launch jobs the planner says do not fit, too"
+    )
     p.add_argument("--out", type=Path, default=harness.RESULTS)
     p.add_argument(
         "--worker", nargs=3, metavar=("PRESET", "SYSTEM", "RESULT"), help=argparse.SUPPRESS
@@ -71,15 +81,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 # inside torchrun: one (preset, system)
 
 
-def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[float], int, dict]:
+def zero_and_offload(system: str) -> tuple[int, str]:
+    """The ZeRO stage and offload of a system; torch's as the memfit strategy planned for them."""
+    if system in ("ddp", "fsdp2"):
+        return (0 if system == "ddp" else 3), "none"
+    stage, _, offload = system.removeprefix("zero").partition("+")
+    zero = int(stage)
+    return zero, ("params" if zero == 3 else "optimizer") if offload else "none"
+
+
+def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[float], int]:
     from memfit.config import build_config
-    from memfit.planner import plan
     from memfit.train.engine import Trainer
 
     micro_batch, checkpointing = PRESETS[preset]
-    stage, _, offload = system.removeprefix("zero").partition("+")
-    zero = int(stage)
-    offload = ("params" if zero == 3 else "optimizer") if offload else "none"
+    zero, offload = zero_and_offload(system)
     config = build_config(
         flags={
             "model": {"name": preset},
@@ -101,12 +117,10 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
     for _ in range(args.warmup + args.repeat):
         metrics = trainer.train_step()
         times.append(metrics.step_time_s)
-    planned = plan(trainer.model_config, trainer.strategy())
-    tokens = micro_batch * args.seq_len
-    return times[args.warmup :], tokens, {"planned_peak_bytes": planned.peak_bytes}
+    return times[args.warmup :], micro_batch * args.seq_len
 
 
-def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int, dict]:
+def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
     import torch.distributed as dist
 
     from memfit.models.config import load_model_config
@@ -158,7 +172,7 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int, dic
 
     torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.warmup + args.repeat)]
-    return times[args.warmup :], micro_batch * args.seq_len, {}
+    return times[args.warmup :], micro_batch * args.seq_len
 
 
 def worker(args) -> None:
@@ -182,11 +196,11 @@ def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> Non
     import torch.distributed as dist
 
     if system.startswith("zero"):
-        times, tokens, extra = _memfit_worker(args, preset, system, run_dir)
+        times, tokens = _memfit_worker(args, preset, system, run_dir)
     else:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl")
-        times, tokens, extra = _torch_worker(args, preset, system)
+        times, tokens = _torch_worker(args, preset, system)
     peak = torch.cuda.max_memory_allocated()
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # offload: CPU memory too
     peaks: list = [None] * dist.get_world_size()
@@ -198,7 +212,7 @@ def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> Non
             "micro_batch": PRESETS[preset][0], "checkpointing": PRESETS[preset][1],
             "seq_len": args.seq_len, "step_s": step_s, "step_times_s": times,
             "tokens_per_s_per_gpu": tokens / step_s, "peak_allocated_per_rank": peaks,
-            "host_peak_rss_rank0": host, **extra,
+            "host_peak_rss_rank0": host,
         }  # fmt: skip
         Path(result_path).write_text(json.dumps(record))
     dist.barrier()
@@ -208,7 +222,51 @@ def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> Non
 # driver
 
 
+def planned(args, preset: str, system: str) -> dict:
+    """The planner's per-rank peak and step time for this job on this machine's GPU, and why it
+    would not fit (None when it does)."""
+    from memfit.models.config import load_model_config
+    from memfit.planner import Strategy, detect_gpu, plan, step_time
+
+    micro_batch, checkpointing = PRESETS[preset]
+    zero, offload = zero_and_offload(system)
+    strategy = Strategy(
+        micro_batch=micro_batch, seq_len=args.seq_len, checkpointing=checkpointing, zero=zero,
+        offload=offload, world_size=args.gpus,
+    )  # fmt: skip
+    model = load_model_config(preset)
+    gpu = detect_gpu()
+    memory = plan(model, strategy, gpu)
+    why = None
+    if gpu is not None and not memory.fits:
+        why = (
+            f"does not fit: planned {memory.required_bytes / 2**30:.1f} GiB per GPU "
+            f"> {gpu.memory_bytes / 2**30:.1f} GiB"
+        )
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if memory.host_bytes * args.gpus > host:
+        why = (
+            f"does not fit: planned {memory.host_bytes * args.gpus / 2**30:.0f} GiB of host "
+            f"memory > {host / 2**30:.0f} GiB"
+        )
+    record = {
+        "planned_peak_bytes": memory.peak_bytes,
+        "planned_host_bytes": memory.host_bytes * args.gpus,
+        "planned_step_s": step_time(model, strategy, gpu).total_s if gpu is not None else None,
+    }
+    return {**record, "does_not_fit": why}
+
+
 def run_job(args, preset: str, system: str) -> dict:
+    micro_batch, checkpointing = PRESETS[preset]
+    plans = planned(args, preset, system)
+    why = plans.pop("does_not_fit")
+    head = {
+        "model": preset, "system": system, "gpus": args.gpus, "micro_batch": micro_batch,
+        "checkpointing": checkpointing, "seq_len": args.seq_len, **plans,
+    }  # fmt: skip
+    if why and not args.force:
+        return {**head, "skipped": why}
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [
@@ -224,14 +282,14 @@ def run_job(args, preset: str, system: str) -> dict:
                 command, env=env, capture_output=True, text=True, timeout=args.timeout
             )
         except subprocess.TimeoutExpired:
-            return {"model": preset, "system": system, "error": f"timed out after {args.timeout} s"}
+            return {**head, "error": f"timed out after {args.timeout} s"}
         if proc.returncode != 0 or not result.exists():
             errors = sorted(Path(tmp).glob("result.json.rank*.err"))
             text = errors[0].read_text() if errors else proc.stdout + proc.stderr
             print(text[-3000:], file=sys.stderr)
             lines = text.strip().splitlines()
-            return {"model": preset, "system": system, "error": (lines[-1] if lines else "")[:300]}
-        record = json.loads(result.read_text())
+            return {**head, "error": (lines[-1] if lines else "")[:300]}
+        record = {**head, **json.loads(result.read_text())}
         record["wall_s"] = round(time.perf_counter() - started, 1)
         return record
 
@@ -258,9 +316,12 @@ def main(argv=None) -> None:
             print(
                 f"{preset:11s} {system:6s} "
                 + (f"error: {record['error']}" if "error" in record else
+                   f"skipped: {record['skipped']}" if "skipped" in record else
                    f"{record['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  peak/rank "
                    + " ".join(f"{p / 2**30:.1f}" for p in peaks) + " GiB"
-                   + (f"  planned {record['planned_peak_bytes'] / 2**30:.1f} GiB" if "planned_peak_bytes" in record else "")),
+                   + f"  planned {record['planned_peak_bytes'] / 2**30:.1f} GiB"
+                   + (f", {record['planned_step_s']:.3f} s vs {record['step_s']:.3f} s"
+                      if record["planned_step_s"] else "")),
                 flush=True,
             )  # fmt: skip
     if args.out.resolve() != harness.RESULTS.resolve():

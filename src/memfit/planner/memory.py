@@ -141,6 +141,9 @@ class MemoryPlan:
     capacity_bytes: int | None = None
     gpu: str | None = None
     notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0
+    """Pinned CPU memory per rank under offload: the fp32 shards of parameters (the master copy),
+    gradients and optimizer states the CPU step works on. The ranks of one node add up."""
 
     @property
     def required_bytes(self) -> int:
@@ -168,6 +171,7 @@ class MemoryPlan:
             "fits": self.fits,
             "breakdown": self.breakdown,
             "phases": self.phases,
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -321,8 +325,10 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     peak = phases[peak_phase]
 
     notes = []
+    host = 0
     if strategy.offload != "none":
-        notes.append("offloaded states live in pinned CPU memory, not counted here")
+        host = (4 + 4 + optimizer_per_param) * math.ceil(P / N)
+        notes.append(f"offloaded states take {gib(host)} of pinned CPU memory per rank")
     return MemoryPlan(
         model=model,
         strategy=strategy,
@@ -334,6 +340,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         capacity_bytes=gpu.memory_bytes if gpu is not None else None,
         gpu=gpu.name if gpu is not None else None,
         notes=notes,
+        host_bytes=host,
     )
 
 
