@@ -68,3 +68,85 @@ def test_package_level_contract():
     assert result.fits and result.peak_bytes == sum(result.breakdown.values())
     strategies = memfit.recommend("llama-1b", "h100-sxm", seq_len=2048)
     assert strategies and isinstance(strategies[0], Strategy)
+
+
+ZERO_RESULTS = RESULTS.parent / "zero.json"
+SYSTEM_STRATEGY = {  # zero.py's memfit systems: (stage, offload)
+    "zero0": (0, "none"), "zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"),
+    "zero0+offload": (0, "optimizer"), "zero3+offload": (3, "params"),
+}  # fmt: skip
+
+
+def measured_data_parallel_steps():
+    """The newest measurement of each (model, memfit system, GPUs) in zero.json."""
+    newest = {}
+    for run in json.loads(ZERO_RESULTS.read_text()):
+        gpu = "h200" if "H200" in run["env"].get("gpu", "") else "h100-sxm"
+        for r in run["records"]:
+            if "step_s" in r and r["system"] in SYSTEM_STRATEGY:
+                newest[(r["model"], r["system"], r["gpus"])] = (gpu, r)
+    return list(newest.values())
+
+
+@pytest.mark.parametrize(
+    "gpu, record",
+    measured_data_parallel_steps(),
+    ids=lambda x: x if isinstance(x, str) else f"{x['model']}-{x['system']}-{x['gpus']}gpu",
+)
+def test_time_model_matches_the_measured_zero_and_offload_steps(gpu, record):
+    """1 and 2 GPUs, every stage, offload (benchmarks/zero.py): the issue-6 bar is 15%."""
+    zero, offload = SYSTEM_STRATEGY[record["system"]]
+    strategy = Strategy(
+        micro_batch=record["micro_batch"], seq_len=record["seq_len"],
+        checkpointing=record["checkpointing"], zero=zero, offload=offload,
+        world_size=record["gpus"],
+    )  # fmt: skip
+    predicted = step_time(PRESETS[record["model"]], strategy, GPUS[gpu]).total_s
+    assert predicted == pytest.approx(record["step_s"], rel=0.10)
+
+
+def test_communication_volume_per_stage():
+    from memfit.planner.time import communication_bytes
+
+    model = PRESETS["llama-2-7b"]
+    P = model.num_params
+
+    def moved(**options):
+        return communication_bytes(model, Strategy(world_size=4, **options)) / (P * 3 / 4)
+
+    assert communication_bytes(model, Strategy()) == 0
+    # all-reduce = reduce-scatter + all-gather of fp32; stage 3 gathers bf16 twice instead
+    assert moved(zero=0) == moved(zero=1) == moved(zero=2) == moved(zero=3) == pytest.approx(8)
+    # accumulation: stages 0-1 reduce once per step, 2-3 per micro-batch
+    assert moved(zero=1, grad_accum=4) == pytest.approx(8)
+    assert moved(zero=2, grad_accum=4) == pytest.approx(4 * 4 + 4)
+    assert moved(zero=3, grad_accum=4) == pytest.approx(8 * 4)
+
+
+def test_more_gpus_cost_communication_and_share_the_offload_cpu():
+    model, gpu = PRESETS["llama-2-7b"], GPUS["h200"]
+
+    def step(n, **options):
+        return step_time(model, Strategy(micro_batch=2, world_size=n, **options), gpu)
+
+    # (N-1)/N of the gradients cross the links: more GPUs, slower steps, never by 2x
+    for zero in (0, 2, 3):
+        times = [step(n, zero=zero).communication_s for n in (2, 4, 8)]
+        assert times == sorted(times) and times[2] < 2 * times[0]
+    # offload: the ranks of a node share its CPU, so the CPU step does not shrink with N (only
+    # the PCIe copies, one link per GPU, do)
+    from memfit.planner.time import CPU_ADAM_PARAMS_PER_S
+
+    cpu = model.num_params / CPU_ADAM_PARAMS_PER_S
+    one = step(1, offload="optimizer").optimizer_s
+    eight = step(8, zero=2, offload="optimizer").optimizer_s
+    assert one > eight > cpu
+
+
+def test_offload_plans_its_host_memory():
+    from memfit.planner import plan
+
+    model = PRESETS["llama-2-7b"]
+    offloaded = plan(model, Strategy(world_size=4, zero=3, offload="params"))
+    assert offloaded.host_bytes == pytest.approx(16 * model.num_params / 4, rel=1e-6)
+    assert plan(model, Strategy()).host_bytes == 0

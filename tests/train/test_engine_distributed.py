@@ -193,6 +193,25 @@ def test_zero_without_a_process_group_says_how_to_launch(tmp_path):
         Trainer(config(str(tmp_path), micro_batch=2, zero=2, offload="params"))
 
 
+def test_offload_takes_this_ranks_share_of_the_host_threads(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for each of several processes; the CPU step of offload
+    would then run on one core per rank."""
+    from memfit.distributed import launch
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        torch.set_num_threads(1)
+        share = launch.host_threads_per_rank()
+        assert launch.use_host_threads() == (share if share > 1 else None)
+        assert torch.get_num_threads() == share
+        assert launch.use_host_threads() is None  # nothing to raise
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10**6))
+        assert launch.host_threads_per_rank() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("zero, offload", [(0, "optimizer"), (3, "params")])
 def test_offload_on_one_process_trains_like_the_plain_optimizer(tmp_path, zero, offload):
     plain = Trainer(config(str(tmp_path), micro_batch=2, name="plain"))

@@ -68,6 +68,27 @@ def init_world(device: torch.device, *, timeout_s: float) -> tuple[World, torch.
     return world, device
 
 
+def host_threads_per_rank() -> int:
+    """This rank's share of the cores it may run on: the ranks of one node (LOCAL_WORLD_SIZE,
+    set by torchrun) split them evenly."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def use_host_threads() -> int | None:
+    """Offload steps the optimizer on the CPU, whose speed is the node's cores: raise torch's CPU
+    threads to this rank's share when fewer are set (torchrun sets OMP_NUM_THREADS=1 for every
+    process when it starts more than one). Returns the new count, or None if unchanged."""
+    share = host_threads_per_rank()
+    if torch.get_num_threads() >= share:
+        return None
+    torch.set_num_threads(share)
+    return share
+
+
 def check_same(settings: dict[str, str]) -> None:
     """Raise on every rank if the ranks were not given the same settings (name -> text)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

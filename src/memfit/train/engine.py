@@ -268,6 +268,8 @@ class Trainer:
 
         # 5. optimizer (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
         self.zero: ZeroOptimizer | None = None
+        if offload != "none" and (threads := launch.use_host_threads()):
+            logger.info("offload: the CPU step runs on %d threads on this rank", threads)
         if self.world.distributed or offload != "none":
             step_device = torch.device("cpu") if offload != "none" else self.device
             self.zero = ZeroOptimizer(
