@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -386,6 +387,7 @@ def attention_window_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+PLANNED_AS = {"ddp": "zero0", "fsdp2": "zero3"}  # torch's systems, planned as memfit's stage
 _SYSTEM_NAMES = {
     "ddp": "torch DDP",
     "zero0": "**memfit ZeRO-0** (data parallel)",
@@ -398,40 +400,257 @@ _SYSTEM_NAMES = {
 }
 
 
-def zero_table(run: dict) -> str:
-    """Data-parallel systems per preset: tokens/s per GPU, peak per rank, planned peak."""
-    records = run["records"]
-    gpus = next((r["gpus"] for r in records if "gpus" in r), "?")
+def zero_table(run: dict, *, offload: bool = False) -> str:
+    """Data-parallel systems per preset at the newest run's number of GPUs: tokens/s per GPU,
+    peak per rank, and the planner's peak and step time. Each (model, system) from the newest run
+    that measured it (with `offload`: the offload systems only)."""
+    gpus = _gpus(run)
+    rows: dict = {}
+    for other in run["all_runs"]:
+        for r in other["records"]:
+            if (
+                r.get("gpus") == gpus
+                and ("offload" in r["system"]) == offload
+                and "skipped" not in r
+            ):
+                rows[(r["model"], r["system"])] = (other, r)
+    runs = {id(other): other for other, _ in rows.values()}.values()
+    commits = ", ".join(dict.fromkeys(other["env"]["commit"] for other in runs))
     lines = [
         _env_line(run, f"{gpus} GPU{'s' if gpus != 1 else ''}, seq 2048, bf16 autocast, median "
                   f"of {run['repeat']} steps after {run['warmup']} warm-up steps; peak = "
-                  "max_memory_allocated per rank over the training steps."),
+                  "max_memory_allocated per rank over the training steps; each row from the "
+                  f"newest run that measured it (commits {commits}); planned: `memfit plan` now "
+                  "(DDP as stage 0, FSDP2 as stage 3 for the step time)."),
         "",
         "| model | micro-batch | checkpointing | system | tokens/s per GPU | vs DDP | peak per rank "
-        "(GiB) | memfit planned (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "(GiB) | memfit planned (GiB) | step (s) | planned step (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
-    ddp = {r["model"]: r.get("tokens_per_s_per_gpu") for r in records if r["system"] == "ddp"}
+    order = {name: index for index, name in enumerate(_SYSTEM_NAMES)}
+    models = list(dict.fromkeys(r["model"] for _, r in rows.values()))
+    records = sorted(
+        (r for _, r in rows.values()),
+        key=lambda r: (
+            models.index(r["model"]),
+            r["micro_batch"],
+            r.get("grad_accum", 1),
+            order.get(r["system"], len(order)),
+        ),  # fmt: skip
+    )
+
+    def setting(r: dict) -> tuple:
+        return r["model"], r["micro_batch"], r.get("grad_accum", 1)
+
+    ddp = {setting(r): r.get("tokens_per_s_per_gpu") for r in records if r["system"] == "ddp"}
     for r in records:
         name = _SYSTEM_NAMES.get(r["system"], r["system"])
         if "error" in r:
-            lines.append(f"| {r['model']} | | | {name} | {r['error'][:80]} | | | |")
+            lines.append(f"| {r['model']} | | | {name} | {r['error'][:80]} | | | | | |")
             continue
         speed = r["tokens_per_s_per_gpu"]
-        base = ddp.get(r["model"])
+        base = ddp.get(setting(r))
         ratio = f"{speed / base:.2f}x" if base else "-"
         peak = max(r["peak_allocated_per_rank"])
-        planned = _gib(r["planned_peak_bytes"]) if "planned_peak_bytes" in r else "-"
+        memfit = r["system"].startswith("zero")
+        planned = _gib(r["planned_peak_bytes"]) if memfit and "planned_peak_bytes" in r else "-"
+        step = _planned_step(r)
+        accum = r.get("grad_accum", 1)
+        batch = f"{r['micro_batch']}" + (f" x {accum} accumulated" if accum > 1 else "")
         lines.append(
-            f"| {r['model']} | {r['micro_batch']} | {r['checkpointing']} | {name} | {speed:,.0f} "
-            f"| {ratio} | {_gib(peak)} | {planned} |"
+            f"| {r['model']} | {batch} | {r['checkpointing']} | {name} | {speed:,.0f} "
+            f"| {ratio} | {_gib(peak)} | {planned} | {r['step_s']:.3f} | "
+            f"{step:.3f} ({step / r['step_s'] - 1:+.0%}) |"
         )
     return "\n".join(lines)
+
+
+def _planned_step(record: dict) -> float:
+    """The current time model's step time for a zero.py record."""
+    from memfit.models.config import load_model_config
+    from memfit.planner import Strategy, get_gpu, step_time
+
+    system = PLANNED_AS.get(record["system"], record["system"])
+    stage, _, offload = system.removeprefix("zero").partition("+")
+    offload = ("params" if stage == "3" else "optimizer") if offload else "none"
+    strategy = Strategy(
+        micro_batch=record["micro_batch"], seq_len=record["seq_len"],
+        checkpointing=record["checkpointing"], zero=int(stage), offload=offload,
+        world_size=record["gpus"], grad_accum=record.get("grad_accum", 1),
+    )  # fmt: skip
+    gpu = get_gpu("h100-sxm" if record["gpus"] == 1 and offload != "none" else "h200")
+    return step_time(load_model_config(record["model"]), strategy, gpu).total_s
+
+
+# --------------------------------------------------------------------------------------------
+# scaling: every zero.py run at once, measured against the planner, carried to 4 and 8 GPUs
+
+SCALING_GPUS = (1, 2, 4, 8)
+SCALING_SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2")
+
+
+def scaling_points(runs: list[dict], models: tuple[str, ...]) -> dict:
+    """(model, system, gpus) -> {"measured": the newest record with a step time, or None,
+    "planned": (tokens/s per GPU, peak bytes per rank, fits) from the current planner, on the
+    GPU the runs measured}."""
+    from memfit.models.config import load_model_config
+    from memfit.planner import Strategy, get_gpu, plan, step_time
+
+    newest: dict = {}
+    shape: dict = {}
+    gpu_name = "h200"
+    for run in runs:
+        if "H100" in run["env"].get("gpu", ""):
+            continue  # one kind of GPU per table: the H200 runs
+        for r in run["records"]:
+            default = r["model"] in models and r["micro_batch"] == zero_presets()[r["model"]][0]
+            if default and r["system"] in SCALING_SYSTEMS and r.get("grad_accum", 1) == 1:
+                shape[r["model"]] = (r["micro_batch"], r["checkpointing"], r["seq_len"])
+                if "step_s" in r:
+                    newest[(r["model"], r["system"], r["gpus"])] = r
+    points = {}
+    for model_name, (micro_batch, checkpointing, seq_len) in shape.items():
+        model = load_model_config(model_name)
+        for system in SCALING_SYSTEMS:
+            stage = int(PLANNED_AS.get(system, system).removeprefix("zero"))
+            for n in SCALING_GPUS:
+                if stage and n == 1:
+                    continue
+                strategy = Strategy(
+                    micro_batch=micro_batch, seq_len=seq_len, checkpointing=checkpointing,
+                    zero=stage, world_size=n,
+                )  # fmt: skip
+                memory = plan(model, strategy, get_gpu(gpu_name))
+                speed = step_time(model, strategy, get_gpu(gpu_name)).tokens_per_s
+                points[(model_name, system, n)] = {
+                    "measured": newest.get((model_name, system, n)),
+                    "planned": (speed, memory.peak_bytes, memory.fits),
+                }
+    return points
+
+
+def zero_presets() -> dict:
+    """benchmarks/zero.py's presets: name -> (micro-batch, checkpointing)."""
+    import zero
+
+    return zero.PRESETS
+
+
+def _efficiency(points: dict, model: str, system: str, n: int) -> str:
+    """Tokens/s per GPU at n GPUs against 2: measured against measured, else planned against
+    planned (never one against the other)."""
+    two, at_n = points.get((model, system, 2)), points.get((model, system, n))
+    if not (two and at_n):
+        return "-"
+    if two["measured"] and at_n["measured"]:
+        return f"**{at_n['measured']['tokens_per_s_per_gpu'] / two['measured']['tokens_per_s_per_gpu']:.0%}**"
+    if at_n["planned"][2] and two["planned"][2]:
+        return f"*{at_n['planned'][0] / two['planned'][0]:.0%}*"
+    return "-"
+
+
+def scaling_table(run: dict) -> str:
+    runs = run["all_runs"]
+    models = ("llama-2-7b", "llama-2-13b")
+    points = scaling_points(runs, models)
+    dates = sorted({r["env"]["date"][:10] for r in runs if "H100" not in r["env"].get("gpu", "")})
+    commits = [r["env"]["commit"] for r in runs if "H100" not in r["env"].get("gpu", "")]
+    lines = [
+        f"Tokens/s per GPU on H200s, seq 2048, micro-batch 2, full checkpointing. Measured: "
+        f"**bold** (planner's figure in brackets; newest run of each setting, up to commit "
+        f"{commits[-1]}, {dates[-1]}). Not measured: the planner's figure in italics; \u2717: "
+        "the planner puts it over the GPU's memory. Efficiency: tokens/s per GPU against 2 GPUs, "
+        "measured against measured (bold) or planned against planned (italics). DDP's and "
+        "FSDP2's speeds are planned as memfit's stage 0 and 3.",
+        "",
+        "| model | system | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs | efficiency 2\u21924\u21928 | "
+        "peak per rank at 2 / 4 / 8 GPUs (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model in models:
+        for system in SCALING_SYSTEMS:
+            cells, peaks = [], []
+            for n in SCALING_GPUS:
+                point = points.get((model, system, n))
+                if point is None:
+                    cells.append("")
+                    continue
+                speed, peak, fits = point["planned"]
+                measured = point["measured"]
+                if measured:
+                    cells.append(f"**{measured['tokens_per_s_per_gpu']:,.0f}** ({speed:,.0f})")
+                elif fits:
+                    cells.append(f"*{speed:,.0f}*")
+                else:
+                    cells.append("\u2717")
+                if n > 1:
+                    if measured:
+                        peaks.append(f"**{_gib(max(measured['peak_allocated_per_rank']))}**")
+                    elif system in PLANNED_AS:  # the planner models memfit's memory, not torch's
+                        peaks.append("-")
+                    else:
+                        peaks.append(f"*{_gib(peak)}*" if fits else "\u2717")
+            efficiency = " \u2192 ".join(_efficiency(points, model, system, n) for n in (4, 8))
+            name = _SYSTEM_NAMES.get(system, system)
+            lines.append(
+                f"| {model} | {name} | " + " | ".join(cells) + f" | 100% \u2192 {efficiency} | "
+                + " / ".join(peaks) + " |"
+            )  # fmt: skip
+    return "\n".join(lines)
+
+
+def scaling_plot(runs: list[dict], path: Path) -> Path | None:
+    """Tokens/s per GPU against GPUs: measured points, the planner's lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no scaling plot")
+        return None
+    models = ("llama-2-7b", "llama-2-13b")
+    points = scaling_points(runs, models)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5))
+    for ax, model in zip(axes, models, strict=True):
+        for index, system in enumerate(SCALING_SYSTEMS):
+            color = f"C{index}"
+            planned = [
+                (n, p["planned"][0]) for n in SCALING_GPUS
+                if (p := points.get((model, system, n))) and p["planned"][2]
+            ]  # fmt: skip
+            measured = [
+                (n, p["measured"]["tokens_per_s_per_gpu"]) for n in SCALING_GPUS
+                if (p := points.get((model, system, n))) and p["measured"]
+            ]  # fmt: skip
+            label = _SYSTEM_NAMES.get(system, system).replace("**", "").split(" (")[0]
+            if planned and system not in PLANNED_AS:
+                ax.plot(*zip(*planned, strict=True), "--", color=color, alpha=0.6)
+            if measured:
+                ax.plot(*zip(*measured, strict=True), "o", color=color, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(SCALING_GPUS, [str(n) for n in SCALING_GPUS])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{model}, seq 2048, mb 2, full checkpointing")
+        ax.set_xlabel("H200 GPUs")
+        ax.set_ylabel("tokens/s per GPU")
+        ax.legend(fontsize=8, loc="lower left")
+    fig.suptitle("measured (points) and planned by memfit's time model (dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _gpus(run: dict) -> int:
     """The number of GPUs of a zero.py run (0 for a run without records)."""
     return max((r.get("gpus", 0) for r in run.get("records", [])), default=0)
+
+
+def _offload_run(run: dict) -> bool:
+    return any("offload" in r["system"] for r in run.get("records", []))
 
 
 def _has(key: str) -> Callable[[dict], bool]:
@@ -452,7 +671,8 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
         True,
     ),
     "zero": ("zero", zero_table, lambda run: _gpus(run) > 1, True),
-    "zero_offload": ("zero", zero_table, lambda run: _gpus(run) == 1, True),
+    "zero_offload": ("zero", partial(zero_table, offload=True), _offload_run, True),
+    "scaling": ("zero", scaling_table, lambda run: _gpus(run) > 0, True),
 }
 MERGED = ("records", "checks", "window", "memory")
 
@@ -483,7 +703,7 @@ def main() -> None:
         runs = [run for run in json.loads(path.read_text()) if counts(run)]
         if not runs:
             continue
-        table = render(newest(runs))
+        table = render({**newest(runs), "all_runs": runs})
         pattern = re.compile(rf"(<!-- table:{name} -->).*?(<!-- /table:{name} -->)", re.S)
         if not pattern.search(text):
             if not optional:
@@ -498,6 +718,11 @@ def main() -> None:
         )
     if args.dry_run:
         return
+    zero_runs = args.results / "zero.json"
+    if zero_runs.exists():
+        runs = [run for run in json.loads(zero_runs.read_text()) if _gpus(run) > 0]
+        if plot := scaling_plot(runs, args.results / "scaling.png"):
+            print(f"wrote {plot}")
     args.doc.write_text(text)
     print(f"wrote {args.doc}")
 

@@ -25,6 +25,7 @@ need.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -64,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, help="instead of the preset's")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=8)
     p.add_argument("--timeout", type=int, default=900, help="seconds per (preset, system) job")
@@ -81,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 # inside torchrun: one (preset, system)
 
 
+def shape(args, preset: str) -> tuple[int, str, int]:
+    """(micro-batch, checkpointing, gradient accumulation) of a preset's jobs."""
+    micro_batch, checkpointing = PRESETS[preset]
+    return args.micro_batch or micro_batch, checkpointing, args.grad_accum
+
+
 def zero_and_offload(system: str) -> tuple[int, str]:
     """The ZeRO stage and offload of a system; torch's as the memfit strategy planned for them."""
     if system in ("ddp", "fsdp2"):
@@ -94,7 +103,7 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
     from memfit.config import build_config
     from memfit.train.engine import Trainer
 
-    micro_batch, checkpointing = PRESETS[preset]
+    micro_batch, checkpointing, grad_accum = shape(args, preset)
     zero, offload = zero_and_offload(system)
     config = build_config(
         flags={
@@ -103,6 +112,7 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
             "train": {
                 "steps": args.warmup + args.repeat,
                 "micro_batch": micro_batch,
+                "grad_accum": grad_accum,
                 "checkpointing": checkpointing,
                 "precision": "bf16",
                 "device": "cuda",
@@ -117,7 +127,7 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
     for _ in range(args.warmup + args.repeat):
         metrics = trainer.train_step()
         times.append(metrics.step_time_s)
-    return times[args.warmup :], micro_batch * args.seq_len
+    return times[args.warmup :], micro_batch * args.seq_len * grad_accum
 
 
 def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
@@ -128,7 +138,7 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
     from memfit.train.checkpointing import apply_activation_checkpointing
     from memfit.train.optim import parameter_groups
 
-    micro_batch, checkpointing = PRESETS[preset]
+    micro_batch, checkpointing, grad_accum = shape(args, preset)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     model_config = load_model_config(preset)
     model = build_model(model_config, device=device, attention="sdpa", seed=0)
@@ -157,12 +167,18 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
     def step() -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        tokens = torch.randint(
-            0, vocab, (micro_batch, args.seq_len + 1), device=device, generator=generator
-        )
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
-        loss.backward()
+        for index in range(grad_accum):
+            tokens = torch.randint(
+                0, vocab, (micro_batch, args.seq_len + 1), device=device, generator=generator
+            )
+            # DDP reduces on the last micro-batch only (as memfit's stages 0-1); FSDP2 reduces
+            # every micro-batch's gradients (as stages 2-3)
+            last = index == grad_accum - 1
+            sync = model.no_sync() if system == "ddp" and not last else contextlib.nullcontext()
+            with sync, torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel() / grad_accum
+            with sync:
+                loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -172,7 +188,7 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
 
     torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.warmup + args.repeat)]
-    return times[args.warmup :], micro_batch * args.seq_len
+    return times[args.warmup :], micro_batch * args.seq_len * grad_accum
 
 
 def worker(args) -> None:
@@ -209,7 +225,6 @@ def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> Non
         step_s = statistics.median(times)
         record = {
             "model": preset, "system": system, "gpus": dist.get_world_size(),
-            "micro_batch": PRESETS[preset][0], "checkpointing": PRESETS[preset][1],
             "seq_len": args.seq_len, "step_s": step_s, "step_times_s": times,
             "tokens_per_s_per_gpu": tokens / step_s, "peak_allocated_per_rank": peaks,
             "host_peak_rss_rank0": host,
@@ -228,11 +243,11 @@ def planned(args, preset: str, system: str) -> dict:
     from memfit.models.config import load_model_config
     from memfit.planner import Strategy, detect_gpu, plan, step_time
 
-    micro_batch, checkpointing = PRESETS[preset]
+    micro_batch, checkpointing, grad_accum = shape(args, preset)
     zero, offload = zero_and_offload(system)
     strategy = Strategy(
         micro_batch=micro_batch, seq_len=args.seq_len, checkpointing=checkpointing, zero=zero,
-        offload=offload, world_size=args.gpus,
+        offload=offload, world_size=args.gpus, grad_accum=grad_accum,
     )  # fmt: skip
     model = load_model_config(preset)
     gpu = detect_gpu()
@@ -258,12 +273,13 @@ def planned(args, preset: str, system: str) -> dict:
 
 
 def run_job(args, preset: str, system: str) -> dict:
-    micro_batch, checkpointing = PRESETS[preset]
+    micro_batch, checkpointing, grad_accum = shape(args, preset)
     plans = planned(args, preset, system)
     why = plans.pop("does_not_fit")
     head = {
         "model": preset, "system": system, "gpus": args.gpus, "micro_batch": micro_batch,
-        "checkpointing": checkpointing, "seq_len": args.seq_len, **plans,
+        "grad_accum": grad_accum, "checkpointing": checkpointing, "seq_len": args.seq_len,
+        **plans,
     }  # fmt: skip
     if why and not args.force:
         return {**head, "skipped": why}
@@ -273,8 +289,10 @@ def run_job(args, preset: str, system: str) -> dict:
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={args.gpus}", __file__, "--worker", preset, system, str(result),
             "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
-            "--repeat", str(args.repeat),
+            "--repeat", str(args.repeat), "--grad-accum", str(args.grad_accum),
         ]  # fmt: skip
+        if args.micro_batch:
+            command += ["--micro-batch", str(args.micro_batch)]
         env = {**os.environ, **SAFE_ENV}
         started = time.perf_counter()
         try:

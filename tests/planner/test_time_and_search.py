@@ -84,7 +84,8 @@ def measured_data_parallel_steps():
         gpu = "h200" if "H200" in run["env"].get("gpu", "") else "h100-sxm"
         for r in run["records"]:
             if "step_s" in r and r["system"] in SYSTEM_STRATEGY:
-                newest[(r["model"], r["system"], r["gpus"])] = (gpu, r)
+                key = (r["model"], r["system"], r["gpus"], r["micro_batch"], r.get("grad_accum", 1))
+                newest[key] = (gpu, r)
     return list(newest.values())
 
 
@@ -99,7 +100,7 @@ def test_time_model_matches_the_measured_zero_and_offload_steps(gpu, record):
     strategy = Strategy(
         micro_batch=record["micro_batch"], seq_len=record["seq_len"],
         checkpointing=record["checkpointing"], zero=zero, offload=offload,
-        world_size=record["gpus"],
+        world_size=record["gpus"], grad_accum=record.get("grad_accum", 1),
     )  # fmt: skip
     predicted = step_time(PRESETS[record["model"]], strategy, GPUS[gpu]).total_s
     assert predicted == pytest.approx(record["step_s"], rel=0.10)
