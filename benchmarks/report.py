@@ -413,15 +413,16 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
                 and ("offload" in r["system"]) == offload
                 and "skipped" not in r
             ):
-                rows[(r["model"], r["system"])] = (other, r)
+                key = (r["model"], r["system"], r["micro_batch"], r.get("grad_accum", 1))
+                rows[key] = (other, r)
     runs = {id(other): other for other, _ in rows.values()}.values()
     commits = ", ".join(dict.fromkeys(other["env"]["commit"] for other in runs))
     lines = [
         _env_line(run, f"{gpus} GPU{'s' if gpus != 1 else ''}, seq 2048, bf16 autocast, median "
-                  f"of {run['repeat']} steps after {run['warmup']} warm-up steps; peak = "
-                  "max_memory_allocated per rank over the training steps; each row from the "
-                  f"newest run that measured it (commits {commits}); planned: `memfit plan` now "
-                  "(DDP as stage 0, FSDP2 as stage 3 for the step time)."),
+                  "step after warm-up (counts per run in zero.json); peak = max_memory_allocated "
+                  "per rank over the training steps; each row from the newest run that measured "
+                  f"it (commits {commits}); planned: `memfit plan` and its time model now (DDP's "
+                  "step planned as stage 0, FSDP2's as stage 3)."),
         "",
         "| model | micro-batch | checkpointing | system | tokens/s per GPU | vs DDP | peak per rank "
         "(GiB) | memfit planned (GiB) | step (s) | planned step (s) |",
@@ -452,9 +453,8 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
         base = ddp.get(setting(r))
         ratio = f"{speed / base:.2f}x" if base else "-"
         peak = max(r["peak_allocated_per_rank"])
-        memfit = r["system"].startswith("zero")
-        planned = _gib(r["planned_peak_bytes"]) if memfit and "planned_peak_bytes" in r else "-"
-        step = _planned_step(r)
+        planned_peak, step = _planned(r)
+        planned = _gib(planned_peak) if r["system"].startswith("zero") else "-"
         accum = r.get("grad_accum", 1)
         batch = f"{r['micro_batch']}" + (f" x {accum} accumulated" if accum > 1 else "")
         lines.append(
@@ -465,10 +465,10 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _planned_step(record: dict) -> float:
-    """The current time model's step time for a zero.py record."""
+def _planned(record: dict) -> tuple[int, float]:
+    """The current planner's peak per rank and step time for a zero.py record."""
     from memfit.models.config import load_model_config
-    from memfit.planner import Strategy, get_gpu, step_time
+    from memfit.planner import Strategy, get_gpu, plan, step_time
 
     system = PLANNED_AS.get(record["system"], record["system"])
     stage, _, offload = system.removeprefix("zero").partition("+")
@@ -479,7 +479,8 @@ def _planned_step(record: dict) -> float:
         world_size=record["gpus"], grad_accum=record.get("grad_accum", 1),
     )  # fmt: skip
     gpu = get_gpu("h100-sxm" if record["gpus"] == 1 and offload != "none" else "h200")
-    return step_time(load_model_config(record["model"]), strategy, gpu).total_s
+    model = load_model_config(record["model"])
+    return plan(model, strategy, gpu).peak_bytes, step_time(model, strategy, gpu).total_s
 
 
 # --------------------------------------------------------------------------------------------

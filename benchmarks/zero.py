@@ -175,10 +175,10 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
             # every micro-batch's gradients (as stages 2-3)
             last = index == grad_accum - 1
             sync = model.no_sync() if system == "ddp" and not last else contextlib.nullcontext()
-            with sync, torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel() / grad_accum
             with sync:
-                loss.backward()
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
+                (loss / grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -106,6 +106,24 @@ def test_time_model_matches_the_measured_zero_and_offload_steps(gpu, record):
     assert predicted == pytest.approx(record["step_s"], rel=0.10)
 
 
+@pytest.mark.parametrize(
+    "gpu, record",
+    measured_data_parallel_steps(),
+    ids=lambda x: x if isinstance(x, str) else f"{x['model']}-{x['system']}-{x['gpus']}gpu",
+)
+def test_memory_model_matches_the_measured_zero_and_offload_peaks(gpu, record):
+    from memfit.planner import plan
+
+    zero, offload = SYSTEM_STRATEGY[record["system"]]
+    strategy = Strategy(
+        micro_batch=record["micro_batch"], seq_len=record["seq_len"],
+        checkpointing=record["checkpointing"], zero=zero, offload=offload,
+        world_size=record["gpus"], grad_accum=record.get("grad_accum", 1),
+    )  # fmt: skip
+    planned = plan(PRESETS[record["model"]], strategy).peak_bytes
+    assert planned == pytest.approx(max(record["peak_allocated_per_rank"]), rel=0.03)
+
+
 def test_communication_volume_per_stage():
     from memfit.planner.time import communication_bytes
 

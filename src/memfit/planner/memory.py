@@ -270,7 +270,11 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         root = P - L * s["P_layer"]
         weight_copies = c_param * (root + 2 * s["P_layer"])
         output_grad = c_param * s["V"] * s["h"]
-    grads_alive_in_forward = grads if strategy.grad_accum > 1 else 0
+    # with accumulation, the gradients of earlier micro-batches (stage 1: the full buffer; its
+    # shard is written by the reduce-scatter of the last micro-batch)
+    grads_alive_in_forward = 0
+    if strategy.grad_accum > 1:
+        grads_alive_in_forward = 4 * P if strategy.zero == 1 else grads
 
     ws = CUBLAS_WORKSPACE_BYTES
 
