@@ -592,9 +592,11 @@ def scaling_table(run: dict) -> str:
                     else:
                         peaks.append(f"*{_gib(peak)}*" if fits else "\u2717")
             efficiency = " \u2192 ".join(_efficiency(points, model, system, n) for n in (4, 8))
+            two = points.get((model, system, 2))
+            efficiency = f"100% \u2192 {efficiency}" if two and two["planned"][2] else "-"
             name = _SYSTEM_NAMES.get(system, system)
             lines.append(
-                f"| {model} | {name} | " + " | ".join(cells) + f" | 100% \u2192 {efficiency} | "
+                f"| {model} | {name} | " + " | ".join(cells) + f" | {efficiency} | "
                 + " / ".join(peaks) + " |"
             )  # fmt: skip
     return "\n".join(lines)

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
 
 from memfit.models.config import format_params, load_model_config
-from memfit.planner import CATEGORIES, Strategy, get_gpu, plan, rank_strategies, what_would_fit
+from memfit.planner import (
+    CATEGORIES,
+    Strategy,
+    get_gpu,
+    plan,
+    rank_strategies,
+    step_time,
+    what_would_fit,
+)
 from memfit.planner.memory import gib
 
 
@@ -87,9 +96,11 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         world_size=args.gpus,
     )
     result = plan(model, strategy, gpu)
+    time = step_time(model, strategy, gpu)
     fixes = [] if result.fits else what_would_fit(model, strategy, gpu)
     if args.json:
         out = result.to_json()
+        out["step_time"] = {**asdict(time), "total_s": time.total_s}
         if fixes:
             out["would_fit"] = [
                 {"change": label, "peak_bytes": p.peak_bytes} for label, p in fixes[:5]
@@ -114,6 +125,12 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     table.add_row("[bold]peak allocated", f"[bold]{gib(result.peak_bytes)}")
     table.add_row("needed (+5% allocator slack, CUDA context)", gib(result.required_bytes))
     console.print(table)
+    console.print(
+        f"step: {time.total_s:.3f} s, {time.tokens_per_s:,.0f} tokens/s per GPU "
+        f"(compute {time.compute_s:.3f}, recompute {time.recompute_s:.3f}, optimizer "
+        f"{time.optimizer_s:.3f}, communication {time.communication_s:.3f} s; memfit's time model)",
+        highlight=False,
+    )
     for note in result.notes:
         console.print(f"note: {note}")
     if result.fits:

@@ -332,7 +332,9 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     host = 0
     if strategy.offload != "none":
         host = (4 + 4 + optimizer_per_param) * math.ceil(P / N)
-        notes.append(f"offloaded states take {gib(host)} of pinned CPU memory per rank")
+        ranks = min(N, 8)  # the ranks that share a node's memory (8 GPUs per node)
+        node = f", {gib(host * ranks)} for the {ranks} ranks of a node" if ranks > 1 else ""
+        notes.append(f"offloaded states take {gib(host)} of pinned CPU memory per rank{node}")
     return MemoryPlan(
         model=model,
         strategy=strategy,
