@@ -653,7 +653,8 @@ def _gpus(run: dict) -> int:
 
 
 def _offload_run(run: dict) -> bool:
-    return any("offload" in r["system"] for r in run.get("records", []))
+    """A zero.py run of offload on one GPU."""
+    return _gpus(run) == 1 and any("offload" in r["system"] for r in run.get("records", []))
 
 
 def _has(key: str) -> Callable[[dict], bool]:

@@ -118,6 +118,7 @@ def reference(tmp, *, micro_batch, grad_accum=1, **kwargs):
     "zero, offload, grad_accum, checkpointing",
     [
         (0, "none", 1, "none"),
+        (0, "optimizer", 1, "none"),  # every rank steps the whole model on the CPU
         (1, "none", 1, "none"),
         (2, "none", 1, "none"),
         (1, "none", 2, "none"),

@@ -224,7 +224,8 @@ class ZeroOptimizer:
             for bucket in self.buckets:
                 if bucket.cpu_shard is None:
                     bucket.cpu_shard = self._host.copy(bucket.shard)
-                bucket.cpu_shard.grad = self._host.empty(bucket.layout.shard_numel).zero_()
+                # stage 0 keeps the whole bucket on every rank, the others this rank's shard
+                bucket.cpu_shard.grad = self._host.empty(bucket.cpu_shard.numel()).zero_()
             by_id = {id(b.shard): b.cpu_shard for b in self.buckets}
             shard_groups = [
                 {**g, "params": [by_id[id(t)] for t in g["params"]]} for g in shard_groups

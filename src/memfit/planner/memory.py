@@ -331,7 +331,8 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     notes = []
     host = 0
     if strategy.offload != "none":
-        host = (4 + 4 + optimizer_per_param) * math.ceil(P / N)
+        # stage 0 replicates the whole model's states on every rank, the others shard them
+        host = (4 + 4 + optimizer_per_param) * (P if strategy.zero == 0 else math.ceil(P / N))
         ranks = min(N, 8)  # the ranks that share a node's memory (8 GPUs per node)
         node = f", {gib(host * ranks)} for the {ranks} ranks of a node" if ranks > 1 else ""
         notes.append(f"offloaded states take {gib(host)} of pinned CPU memory per rank{node}")
