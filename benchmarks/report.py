@@ -480,7 +480,16 @@ def _planned(record: dict) -> tuple[int, float]:
     )  # fmt: skip
     gpu = get_gpu("h100-sxm" if record["gpus"] == 1 and offload != "none" else "h200")
     model = load_model_config(record["model"])
-    return plan(model, strategy, gpu).peak_bytes, step_time(model, strategy, gpu).total_s
+    cpus = host_cpus(record)
+    return plan(model, strategy, gpu).peak_bytes, step_time(
+        model, strategy, gpu, host_cpus=cpus
+    ).total_s
+
+
+def host_cpus(record: dict) -> int:
+    """The CPU cores of a zero.py record's machine (older records: the H100 machine had 16, the
+    two-H200 machine 32)."""
+    return record.get("host_cpus") or (16 if record["gpus"] == 1 else 32)
 
 
 # --------------------------------------------------------------------------------------------

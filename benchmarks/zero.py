@@ -267,7 +267,12 @@ def planned(args, preset: str, system: str) -> dict:
     record = {
         "planned_peak_bytes": memory.peak_bytes,
         "planned_host_bytes": memory.host_bytes * args.gpus,
-        "planned_step_s": step_time(model, strategy, gpu).total_s if gpu is not None else None,
+        "planned_step_s": (
+            step_time(model, strategy, gpu, host_cpus=os.cpu_count() or 16).total_s
+            if gpu is not None
+            else None
+        ),
+        "host_cpus": os.cpu_count(),
     }
     return {**record, "does_not_fit": why}
 

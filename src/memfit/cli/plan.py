@@ -96,7 +96,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         world_size=args.gpus,
     )
     result = plan(model, strategy, gpu)
-    time = step_time(model, strategy, gpu)
+    time = step_time(model, strategy, gpu, host_cpus=args.host_cpus)
     fixes = [] if result.fits else what_would_fit(model, strategy, gpu)
     if args.json:
         out = result.to_json()
@@ -176,6 +176,12 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
+    p.add_argument(
+        "--host-cpus",
+        type=int,
+        default=16,
+        help="CPU cores of each training node: the speed of offload's CPU step (default 16)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--recommend",

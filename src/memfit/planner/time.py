@@ -24,7 +24,8 @@ and H200 at 1 and 2 GPUs, llama-1b to llama-2-13b), and measured apart where a r
   compute (a GEMM loop ran 8% slower beside all-reduces, which ran 27% slower beside it) and the
   last buckets are waited for after backward.
 - Offload: pinned copies at 53 GB/s each way; torch's fused CPU AdamW (with unscaling) stepped
-  4.4e9 parameters/s on a 16-core host, and the ranks of a node share it.
+  4.4e9 parameters/s on a 16-core host and 6.8e9 on a 32-core one (two ranks), and the ranks of
+  a node share it.
 On 4 and 8 GPUs the model assumes the bus bandwidth and the exposed part measured at 2: true of
 ring collectives on a switched NVLink node to first order (each GPU drives the same links), not
 yet measured here.
@@ -32,6 +33,7 @@ yet measured here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from memfit.models.config import ModelConfig
@@ -46,7 +48,8 @@ NCCL_BUS_EFFICIENCY = 0.53
 COMMUNICATION_EXPOSED = 0.8
 GPUS_PER_NODE = 8
 PCIE_BYTES_PER_S = 53e9  # host <-> GPU, pinned memory, one direction (H100/H200 hosts, Gen5)
-CPU_ADAM_PARAMS_PER_S = 4.4e9  # torch's fused AdamW with unscaling, one 16-core host
+CPU_ADAM_PARAMS_PER_S = 4.4e9  # torch's fused AdamW with unscaling, a node of HOST_CPUS cores
+HOST_CPUS = 16
 
 
 @dataclass
@@ -105,7 +108,16 @@ def communication_bytes(model: ModelConfig, strategy: Strategy) -> float:
     return (4 * reductions + 4) * P * share
 
 
-def step_time(model: ModelConfig, strategy: Strategy, gpu: GPU) -> StepTime:
+def cpu_adam_rate(host_cpus: int = HOST_CPUS) -> float:
+    """Parameters per second a node's CPU steps AdamW at: memory-bound, so it grows slower than
+    the cores (measured 4.4e9 on 16 cores, 6.8e9 on 32 with two ranks: as their square root)."""
+    return CPU_ADAM_PARAMS_PER_S * math.sqrt(host_cpus / HOST_CPUS)
+
+
+def step_time(
+    model: ModelConfig, strategy: Strategy, gpu: GPU, *, host_cpus: int = HOST_CPUS
+) -> StepTime:
+    """The time model's optimizer step; `host_cpus`: the training node's CPU cores (offload)."""
     tokens = strategy.micro_batch * strategy.seq_len * strategy.grad_accum
     rate = gpu.bf16_flops * efficiency(model, strategy)
     if strategy.precision == "fp32":
@@ -137,7 +149,7 @@ def step_time(model: ModelConfig, strategy: Strategy, gpu: GPU) -> StepTime:
         # The ranks of one node share its CPU: the step over all their shards takes the node's
         # rate. Each GPU has its own PCIe link. Measured (benchmarks/results/bandwidth.json and
         # the offload runs of zero.json): the copies do not overlap compute today.
-        cpu = shard * min(N, GPUS_PER_NODE) / CPU_ADAM_PARAMS_PER_S
+        cpu = shard * min(N, GPUS_PER_NODE) / cpu_adam_rate(host_cpus)
         pcie = 4 * shard / PCIE_BYTES_PER_S  # one fp32 copy of this rank's shard
         if strategy.offload == "params":
             # every gather (forward and backward) brings the block's shard up and the gradients
