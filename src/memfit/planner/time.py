@@ -70,7 +70,7 @@ class StepTime:
         return self.tokens / self.total_s
 
 
-def efficiency(model: ModelConfig, strategy: Strategy) -> float:
+def efficiency(model: ModelConfig) -> float:
     """The fraction of the peak dense rate the matmuls and attention reach: higher for wider
     models (larger GEMMs)."""
     return PEAK_EFFICIENCY * model.hidden_size / (model.hidden_size + HALF_EFFICIENCY_WIDTH)
@@ -119,7 +119,7 @@ def step_time(
 ) -> StepTime:
     """The time model's optimizer step; `host_cpus`: the training node's CPU cores (offload)."""
     tokens = strategy.micro_batch * strategy.seq_len * strategy.grad_accum
-    rate = gpu.bf16_flops * efficiency(model, strategy)
+    rate = gpu.bf16_flops * efficiency(model)
     if strategy.precision == "fp32":
         rate /= FP32_SLOWDOWN
     flops_per_token = model.flops_per_token(strategy.seq_len)
