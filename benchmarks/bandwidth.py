@@ -33,11 +33,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 MiB = 2**20
 SIZES = (16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)
 
@@ -194,7 +189,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"benchmarks/bandwidth.py --gpus {args.gpus} needs that many CUDA GPUs")
-    os.environ.update(SAFE_ENV)  # spawned processes inherit it
+    os.environ.update(harness.SAFE_ENV)  # spawned processes inherit it
     run = {"benchmark": "bandwidth", "env": harness.environment(), "gpus": args.gpus}
     if args.gpus > 1:
         import torch.multiprocessing as mp

@@ -415,6 +415,7 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
             ):
                 key = (r["model"], r["system"], r["micro_batch"], r.get("grad_accum", 1))
                 rows[key] = (other, r)
+    runs_of = {id(r): other for other, r in rows.values()}
     runs = {id(other): other for other, _ in rows.values()}.values()
     commits = ", ".join(dict.fromkeys(other["env"]["commit"] for other in runs))
     lines = [
@@ -453,7 +454,7 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
         base = ddp.get(setting(r))
         ratio = f"{speed / base:.2f}x" if base else "-"
         peak = max(r["peak_allocated_per_rank"])
-        planned_peak, step = _planned(r)
+        planned_peak, step = _planned(r, runs_of[id(r)])
         planned = _gib(planned_peak) if r["system"].startswith("zero") else "-"
         accum = r.get("grad_accum", 1)
         batch = f"{r['micro_batch']}" + (f" x {accum} accumulated" if accum > 1 else "")
@@ -465,31 +466,25 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _planned(record: dict) -> tuple[int, float]:
-    """The current planner's peak per rank and step time for a zero.py record."""
+def _planned(record: dict, run: dict) -> tuple[int, float]:
+    """The current planner's peak per rank and step time for a zero.py record of `run`."""
     from memfit.models.config import load_model_config
     from memfit.planner import Strategy, get_gpu, plan, step_time
 
-    system = PLANNED_AS.get(record["system"], record["system"])
-    stage, _, offload = system.removeprefix("zero").partition("+")
-    offload = ("params" if stage == "3" else "optimizer") if offload else "none"
+    stage, offload = _zero_benchmark().zero_and_offload(record["system"])
     strategy = Strategy(
         micro_batch=record["micro_batch"], seq_len=record["seq_len"],
-        checkpointing=record["checkpointing"], zero=int(stage), offload=offload,
+        checkpointing=record["checkpointing"], zero=stage, offload=offload,
         world_size=record["gpus"], grad_accum=record.get("grad_accum", 1),
     )  # fmt: skip
-    gpu = get_gpu("h100-sxm" if record["gpus"] == 1 and offload != "none" else "h200")
+    h100 = "H100" in run["env"].get("gpu", "")
+    gpu = get_gpu("h100-sxm" if h100 else "h200")
+    # older records do not say how many cores: the H100 machine has 16, the two-H200 one 32
+    cpus = record.get("host_cpus") or (16 if h100 else 32)
     model = load_model_config(record["model"])
-    cpus = host_cpus(record)
     return plan(model, strategy, gpu).peak_bytes, step_time(
         model, strategy, gpu, host_cpus=cpus
     ).total_s
-
-
-def host_cpus(record: dict) -> int:
-    """The CPU cores of a zero.py record's machine (older records: the H100 machine had 16, the
-    two-H200 machine 32)."""
-    return record.get("host_cpus") or (16 if record["gpus"] == 1 else 32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,7 +508,10 @@ def scaling_points(runs: list[dict], models: tuple[str, ...]) -> dict:
         if "H100" in run["env"].get("gpu", ""):
             continue  # one kind of GPU per table: the H200 runs
         for r in run["records"]:
-            default = r["model"] in models and r["micro_batch"] == zero_presets()[r["model"]][0]
+            default = (
+                r["model"] in models
+                and r["micro_batch"] == _zero_benchmark().PRESETS[r["model"]][0]
+            )
             if default and r["system"] in SCALING_SYSTEMS and r.get("grad_accum", 1) == 1:
                 shape[r["model"]] = (r["micro_batch"], r["checkpointing"], r["seq_len"])
                 if "step_s" in r:
@@ -522,7 +520,7 @@ def scaling_points(runs: list[dict], models: tuple[str, ...]) -> dict:
     for model_name, (micro_batch, checkpointing, seq_len) in shape.items():
         model = load_model_config(model_name)
         for system in SCALING_SYSTEMS:
-            stage = int(PLANNED_AS.get(system, system).removeprefix("zero"))
+            stage, _ = _zero_benchmark().zero_and_offload(system)
             for n in SCALING_GPUS:
                 if stage and n == 1:
                     continue
@@ -539,11 +537,11 @@ def scaling_points(runs: list[dict], models: tuple[str, ...]) -> dict:
     return points
 
 
-def zero_presets() -> dict:
-    """benchmarks/zero.py's presets: name -> (micro-batch, checkpointing)."""
+def _zero_benchmark():
+    """benchmarks/zero.py: its presets and systems."""
     import zero
 
-    return zero.PRESETS
+    return zero
 
 
 def _efficiency(points: dict, model: str, system: str, n: int) -> str:

@@ -50,11 +50,6 @@ PRESETS = {  # name: (micro_batch, checkpointing)
     "llama-3-70b": (1, "full"),
 }
 SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2", "zero0+offload", "zero3+offload")
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -298,7 +293,7 @@ def run_job(args, preset: str, system: str) -> dict:
         ]  # fmt: skip
         if args.micro_batch:
             command += ["--micro-batch", str(args.micro_batch)]
-        env = {**os.environ, **SAFE_ENV}
+        env = {**os.environ, **harness.SAFE_ENV}
         started = time.perf_counter()
         try:
             proc = subprocess.run(

@@ -313,7 +313,10 @@ class ZeroOptimizer:
         for bucket in unit.buckets:
             full = bucket.full
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            send = bucket.shard.to(self._device, self.param_dtype, non_blocking=True)
+            # offload: the fp32 shard comes up from pinned memory asynchronously and is cast on
+            # the GPU (a copy that also converts would convert on the CPU, into pageable memory,
+            # and block this thread until it is done)
+            send = bucket.shard.to(self._device, non_blocking=True).to(self.param_dtype)
             if self.distributed:
                 unit.sends.append(send)
                 unit.works.append(_all_gather(full, send, group=self.group, async_op=True))
