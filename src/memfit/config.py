@@ -88,7 +88,8 @@ class TrainSection(_Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 on a GPU that has it, else fp32."""
     checkpointing: Literal["none", "full", "selective"] = "none"
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: str = "adamw"
+    """A registered optimizer (memfit.optim.OPTIMIZERS): adamw, sgd."""
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -112,6 +113,13 @@ class TrainSection(_Section):
         )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        from memfit.optim.registry import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"train.optimizer = {self.optimizer!r} is not a registered optimizer; choose one "
+                f"of {', '.join(map(repr, OPTIMIZERS))}"
+            )
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError(
                 "train.warmup_steps, train.grad_clip and train.weight_decay must be >= 0"
@@ -171,6 +179,13 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
+    def __post_init__(self) -> None:
+        check_parallelism(
+            zero=self.distributed.zero,
+            offload=self.distributed.offload,
+            optimizer=self.train.optimizer,
+        )
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -191,6 +206,28 @@ class Config:
                 )
             sections[name] = section_cls(**kwargs)
         return cls(**sections)
+
+
+def check_parallelism(
+    *, zero: int, offload: str, optimizer: str = "adamw", world_size: int | None = None
+) -> None:
+    """The rules across sections for sharding and offload, in one place (the config, the planner's
+    Strategy and the engine, once it knows the world size, all call this). Raises ValueError."""
+    from memfit.optim.registry import check_sharding
+
+    if offload == "params" and zero != 3:
+        raise ValueError(
+            f"--offload params keeps parameter shards in CPU memory, which needs --zero 3 "
+            f"(got --zero {zero}); --offload optimizer works with any stage"
+        )
+    check_sharding(optimizer, zero)
+    if world_size == 1 and zero > 0 and offload == "none":
+        raise ValueError(
+            f"--zero {zero} shards the training state across processes, and this run has one: "
+            f"launch with `torchrun --nproc_per_node N -m memfit train --zero {zero} ...` (N "
+            "GPUs), or plan it with --gpus N; on one GPU, --offload optimizer (or --zero 3 "
+            "--offload params) keeps the optimizer (and the parameters) in CPU memory instead"
+        )
 
 
 _SECTIONS = {

@@ -23,11 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from memfit.distributed import ZeroOptimizer
+from memfit.distributed import ZeroOptimizer, shard_parameters
 from memfit.distributed.checkpoint import export_safetensors, load_zero, range_boxes, save_zero
 from memfit.models.config import PRESETS
+from memfit.optim import parameter_groups
 from memfit.train.checkpoint import read_meta, save_checkpoint
-from memfit.train.optim import parameter_groups
 
 BEFORE, AFTER = 2, 2  # steps before the checkpoint, steps after it
 ROWS, LR, BUCKET = 12, 1e-2, 50  # ROWS divides by world sizes 1, 2 and 3
@@ -63,16 +63,25 @@ def build(
     """A model and its ZeroOptimizer (on CUDA without offload: fused AdamW, as memfit does);
     stage 3 gathers the two first Linears one at a time (the rest: the root unit)."""
     model = (make_model(seed) if model is None else model).to(device)
-    units = [model[0], model[2]] if stage == 3 and isinstance(model, nn.Sequential) else ()
+    groups = parameter_groups(model, 0.1)
+    sharded = None
+    if stage == 3:
+        units = [model[0], model[2]] if isinstance(model, nn.Sequential) else ()
+        sharded = shard_parameters(
+            model,
+            units=units,
+            param_groups=groups,
+            process_group=group,
+            offload_params=offload == "params",
+        )
     zero = ZeroOptimizer(
-        parameter_groups(model, 0.1),
+        groups,
         factory(lr, fused=torch.device(device).type == "cuda" and not offload),
         stage=stage,
         process_group=group,
         bucket_numel=BUCKET,
         offload=offload,
-        units=units,
-        root=model if stage == 3 else None,
+        sharded=sharded,
     )
     return model, zero
 

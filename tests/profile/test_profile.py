@@ -2,6 +2,9 @@
 the timeline's trace arithmetic, the table, and a GPU twin (skipped without CUDA)."""
 
 import importlib.util
+import os
+import socket
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -11,6 +14,7 @@ from rich.console import Console
 
 from memfit.cli.profile import run_profile
 from memfit.config import build_config
+from memfit.optim import model_state_bytes
 from memfit.profile import (
     CATEGORIES,
     MatplotlibMissing,
@@ -21,6 +25,14 @@ from memfit.profile import (
 from memfit.train.engine import Trainer
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 SEQ_LEN = 64
 
 
@@ -260,9 +272,60 @@ def test_profile_on_cuda(tmp_path, checkpointing):
         assert "pip install matplotlib" in console.export_text()
 
 
-def test_run_profile_refuses_zero_and_offload_runs(tmp_path):
+@pytest.mark.parametrize("offload", ["optimizer", "params"])
+def test_offload_runs_are_measured_against_the_registry(tmp_path, offload):
+    """One process with ZeRO-Offload: the same train step the engine runs; on the device the
+    parameters (stage 3 + params: none), gradients, no optimizer states; in host memory the fp32
+    master copies, their gradients and AdamW's moments, as `model_state_bytes` says."""
+    zero = 3 if offload == "params" else 0
     config = build_config(
-        flags={"train": {"device": "cpu"}, "distributed": {"offload": "optimizer"}}
+        flags={
+            "data": {"seq_len": SEQ_LEN},
+            "train": {"micro_batch": 2, "device": "cpu", "precision": "fp32"},
+            "distributed": {"zero": zero, "offload": offload},
+            "checkpoint": {"out": str(tmp_path / "run")},
+        }
     )
-    with pytest.raises(ValueError, match="not profiled by it yet"):
-        run_profile(config, Console(file=None), steps=1)
+    trainer = Trainer(config)
+    m = measure_memory(trainer, steps=1)
+    P = trainer.model_config.num_params
+    expected = model_state_bytes(P, optimizer="adamw", zero=zero, world_size=1, offload=offload)
+    assert m.breakdown["optimizer_states"] == 0
+    assert m.breakdown["params"] == expected["params"]
+    assert m.breakdown["grads"] == expected["grads"]
+    assert m.host_bytes == expected["host"] > 0
+    assert m.breakdown["activations"] > 0 and trainer.step == 2
+    console = Console(record=True, width=160)
+    assert run_profile(replace_out(config, tmp_path / "cli"), console, steps=1) == 0
+    assert "host memory (offload)" in console.export_text()
+
+
+def replace_out(config, out):
+    config.checkpoint.out = str(out)
+    return config
+
+
+def test_zero3_under_torchrun_prints_every_rank_beside_the_plan(tmp_path):
+    """`memfit profile --zero 3` under `torchrun --nproc_per_node 2` (gloo on CPU): each rank
+    measures its own shard of the model states; rank 0 prints its table beside the plan and a
+    line per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(free_port()), "-m", "memfit", "profile", "--zero", "3",
+        "--device", "cpu", "--precision", "fp32", "--seq-len", "64", "--micro-batch", "2",
+        "--profile-steps", "1", "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout
+    assert "rank 0 of 2" in text and "rank 1:" in text and "ZeRO 3 x 2 ranks" in text
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+        for line in text.splitlines()
+        if line.count("│") >= 4
+    }
+    measured, planned = rows["params"]
+    assert measured == planned  # this rank's fp32 shard: 4P/2 (MiB, one decimal)
+    assert rows["grads"][0] == rows["grads"][1]
+    assert rows["optimizer_states"][0] == rows["optimizer_states"][1]

@@ -275,7 +275,7 @@ def test_out_of_memory_says_what_the_planner_would_run(tmp_path, monkeypatch):
 
     trainer = make_trainer(tmp_path, micro_batch=8)
 
-    def oom():
+    def oom(observer=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(trainer, "_train_step", oom)

@@ -1,5 +1,8 @@
 """`memfit profile`: run a few real training steps of a config on the present device, print the
-measured memory breakdown beside the plan, and plot the memory timeline of a step (CUDA)."""
+measured memory breakdown beside the plan, and plot the memory timeline of a step (CUDA).
+
+Every strategy the engine runs is profiled, ZeRO stages and offload included; under torchrun
+every rank measures its own device and rank 0 prints its table and one line per rank."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -14,7 +18,7 @@ from memfit.config import Config
 from memfit.models.config import format_params
 from memfit.profile.measure import CATEGORIES, PHASES, MemoryMeasurement, measure_memory
 from memfit.profile.timeline import MatplotlibMissing, plot_timeline
-from memfit.train.engine import ConfigError, Trainer
+from memfit.train.engine import Trainer
 
 
 def format_bytes(n: int | None) -> str:
@@ -68,6 +72,9 @@ def measurement_table(
     )
     row("peak allocated", measurement.peak_allocated_bytes, getattr(plan, "peak_bytes", None))
     row("peak reserved", measurement.peak_reserved_bytes, None, end_section=True)
+    planned_host = getattr(plan, "host_bytes", 0) if plan is not None else 0
+    if measurement.host_bytes or planned_host:
+        row("host memory (offload)", measurement.host_bytes, planned_host, end_section=True)
     planned_phases = getattr(plan, "phases", None) or {}
     for phase in PHASES:
         row(f"{phase} peak", measurement.phase_peaks.get(phase), planned_phases.get(phase))
@@ -85,30 +92,42 @@ def run_profile(
     """Build the Trainer of `config`, measure `steps` steps (after one warm-up step), print the
     breakdown (beside `plan_fn(trainer)`'s if given) and, on CUDA, write the timeline plot to
     `png` (default RUN_DIR/memory_timeline.png)."""
-    dist = config.distributed
-    if dist.zero or dist.offload != "none":
-        raise ConfigError(
-            "memfit profile measures single-process runs; ZeRO and offload runs (--zero "
-            f"{dist.zero} --offload {dist.offload}) are not profiled by it yet: "
-            "benchmarks/zero.py measures their peak per rank against memfit plan"
-        )
     trainer = Trainer(config)
+    main = trainer.world.is_main
     mc = trainer.model_config
-    console.print(
-        f"[bold]memfit profile[/] model [cyan]{mc.name}[/] ({format_params(mc.num_params)} params) "
-        f"on [cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x "
-        f"micro-batch {config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing "
-        f"{config.train.checkpointing}, {'compiled' if trainer.compiled else 'eager'}: "
-        f"1 warm-up + {steps} measured steps",
-        highlight=False,
-    )
-    measurement = measure_memory(trainer, steps=steps)
-    plan = plan_fn(trainer) if plan_fn is not None else None
-    console.print(
-        measurement_table(
-            measurement, plan, title=f"memfit profile: {mc.name} on {measurement.device}"
+    dist = config.distributed
+    parallel = ""
+    if trainer.world.distributed or dist.zero or dist.offload != "none":
+        parallel = f", ZeRO {dist.zero} x {trainer.world.world_size} ranks, offload {dist.offload}"
+    if main:
+        console.print(
+            f"[bold]memfit profile[/] model [cyan]{mc.name}[/] ({format_params(mc.num_params)} params) "
+            f"on [cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x "
+            f"micro-batch {config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing "
+            f"{config.train.checkpointing}, {'compiled' if trainer.compiled else 'eager'}"
+            f"{parallel}: 1 warm-up + {steps} measured steps",
+            highlight=False,
         )
-    )
+    measurement = measure_memory(trainer, steps=steps)
+    per_rank = [measurement]
+    if trainer.world.distributed:  # every rank measured its own; rank 0 reports them all
+        per_rank = [None] * trainer.world.world_size
+        torch.distributed.all_gather_object(per_rank, measurement.to_json())
+    if not main:
+        return 0
+    plan = plan_fn(trainer) if plan_fn is not None else None
+    title = f"memfit profile: {mc.name} on {measurement.device}"
+    if trainer.world.distributed:
+        title += f", rank 0 of {trainer.world.world_size}"
+    console.print(measurement_table(measurement, plan, title=title))
+    if trainer.world.distributed:
+        for rank, measured in enumerate(per_rank):
+            peak = measured["peak_allocated_bytes"]
+            console.print(
+                f"rank {rank}: categories {format_bytes(measured['total_bytes'])}, peak "
+                f"allocated {format_bytes(peak)}, host {format_bytes(measured['host_bytes'])}",
+                highlight=False,
+            )
     for note in measurement.notes:
         console.print(f"[dim]note: {note}[/]", highlight=False)
 

@@ -66,8 +66,9 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from memfit.distributed.buckets import Bucket
 from memfit.distributed.flat import Piece
-from memfit.distributed.zero import ZeroOptimizer, _Bucket
+from memfit.distributed.zero import ZeroOptimizer
 
 __all__ = ["export_safetensors", "load_zero", "save_zero"]
 
@@ -197,7 +198,7 @@ def export_safetensors(
 
 def _state_entries(
     zero: ZeroOptimizer,
-    bucket: _Bucket,
+    bucket: Bucket,
     names: dict[int, str],
     key: str,
     value: Any,
@@ -230,7 +231,7 @@ def _state_entries(
             yield _STATE + f"{names[id(p)]}.{key}", _pack(value)
 
 
-def _chunks(zero: ZeroOptimizer, bucket: _Bucket) -> list[dict[int, Piece]]:
+def _chunks(zero: ZeroOptimizer, bucket: Bucket) -> list[dict[int, Piece]]:
     """Per parameter of `bucket`: rank -> the piece of it in that rank's shard."""
     found: list[dict[int, Piece]] = [{} for _ in bucket.params]
     for rank in range(zero.world_size):
@@ -363,7 +364,7 @@ def range_boxes(shape: Sequence[int], start: int, numel: int) -> list[tuple[list
 
 def _request_states(
     zero: ZeroOptimizer,
-    bucket: _Bucket,
+    bucket: Bucket,
     names: dict[int, str],
     saved_states: dict[str, dict[str, Any]],
     param: Tensor,

@@ -47,7 +47,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
+from memfit.config import check_parallelism
 from memfit.models.config import ModelConfig
+from memfit.optim.registry import get_optimizer, model_state_bytes
 from memfit.planner.hardware import GPU, GiB
 
 CATEGORIES = (
@@ -80,7 +82,7 @@ class Strategy:
     seq_len: int = 2048
     grad_accum: int = 1
     checkpointing: Literal["none", "full", "selective"] = "none"
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: str = "adamw"  # a registered optimizer (memfit.optim.OPTIMIZERS)
     # auto: what `--attention auto` runs for a model without a sliding window (SDPA)
     attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
     fused_cross_entropy: bool = True
@@ -97,14 +99,12 @@ class Strategy:
             )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
-        if self.zero > 0 and self.world_size == 1 and self.offload == "none":
-            raise ValueError(
-                f"ZeRO stage {self.zero} on one GPU shards nothing; use --gpus N > 1 (or --offload optimizer)"
-            )
-        if self.offload == "params" and self.zero != 3:
-            raise ValueError(
-                "--offload params needs ZeRO stage 3 (parameters are sharded and gathered per block)"
-            )
+        check_parallelism(
+            zero=self.zero,
+            offload=self.offload,
+            optimizer=self.optimizer,
+            world_size=self.world_size,
+        )
 
     def describe(self) -> str:
         parts = [self.precision, f"mb {self.micro_batch}", f"seq {self.seq_len}"]
@@ -242,17 +242,16 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     c_low = 2 if strategy.precision != "fp32" else 0  # bytes of autocast's weight copies
     T = strategy.micro_batch * strategy.seq_len
 
-    # model states (ZeRO sharding of the flat buffers)
-    params = 4 * P // (N if strategy.zero == 3 else 1)
-    if strategy.offload == "params":
-        params = 0
-    grads = 4 * P // (N if strategy.zero >= 2 else 1)
-    if strategy.zero == 1:  # the reduce-scatter's output: this rank's fp32 gradient shard
-        grads += 4 * math.ceil(P / N)
-    optimizer_per_param = 8 if strategy.optimizer == "adamw" else 4
-    optimizer = optimizer_per_param * P // (N if strategy.zero >= 1 else 1)
-    if strategy.offload in ("optimizer", "params"):
-        optimizer = 0
+    # model states (ZeRO sharding of the flat buffers): the registry's formula, which the tests
+    # hold against ZeroOptimizer's real bytes
+    states = model_state_bytes(
+        P,
+        optimizer=strategy.optimizer,
+        zero=strategy.zero,
+        world_size=N,
+        offload=strategy.offload,
+    )
+    params, grads, optimizer = states["params"], states["grads"], states["optimizer_states"]
 
     # activations of one micro-batch at the end of its forward
     per_layer = layer_activation_bytes(model, strategy)
@@ -311,9 +310,13 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         activations=outside,
         temporaries=transient + zero3_last,
     )
-    # torch's foreach SGD adds weight decay out of place: one gradient-sized temporary
-    sgd_decay = grads if strategy.optimizer == "sgd" and strategy.offload == "none" else 0
-    optimizer_step = phase(grads=grads, temporaries=sgd_decay)
+    # what the optimizer allocates while it steps (torch's foreach SGD adds weight decay out of
+    # place: one gradient-sized temporary)
+    step_temporary = 0
+    if strategy.offload == "none":
+        per_param = get_optimizer(strategy.optimizer).step_temporary_bytes_per_param
+        step_temporary = int(per_param * grads / 4)  # sized like the gradients this rank holds
+    optimizer_step = phase(grads=grads, temporaries=step_temporary)
     candidates = {
         "forward": forward,
         "backward": max(backward_first, backward_last, key=lambda b: sum(b.values())),
@@ -332,7 +335,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     host = 0
     if strategy.offload != "none":
         # stage 0 replicates the whole model's states on every rank, the others shard them
-        host = (4 + 4 + optimizer_per_param) * (P if strategy.zero == 0 else math.ceil(P / N))
+        host = states["host"]
         ranks = min(N, 8)  # the ranks that share a node's memory (8 GPUs per node)
         node = f", {gib(host * ranks)} for the {ranks} ranks of a node" if ranks > 1 else ""
         notes.append(f"offloaded states take {gib(host)} of pinned CPU memory per rank{node}")

@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from memfit.models.config import ModelConfig
+from memfit.optim.registry import get_optimizer
 from memfit.planner.hardware import GPU
 from memfit.planner.memory import Strategy
 
@@ -141,7 +142,7 @@ def step_time(
         recompute = 0.0
 
     N = strategy.world_size
-    bytes_per_param = 28 if strategy.optimizer == "adamw" else 16
+    bytes_per_param = get_optimizer(strategy.optimizer).update_bytes_per_param
     shard = P / N if strategy.zero >= 1 else P
     if strategy.offload == "none":
         optimizer = shard * bytes_per_param / hbm

@@ -2,21 +2,25 @@
 
 `measure_memory(trainer, steps=3)` runs `warmup_steps` steps (compilation, AdamW's lazily created
 states), then `steps` measured steps, then one extra forward (the liveness probe). The steps are
-`Trainer.train_step`'s dataflow, replicated in `_run_step` so that each phase can be observed
-(micro-batches, autocast, loss / token count, loss scaler, clipping, optimizer step,
-zero_grad(set_to_none=True)); they advance the trainer's data, weights and schedule as training
-would. Nothing an observer does allocates on the device or keeps a tensor alive.
+`Trainer.train_step`, the engine's own (train/step.py), told to a `StepObserver` that reads
+memory at the phase boundaries; they advance the trainer's data, weights and schedule as training
+would, for every strategy the engine runs (ZeRO stages, offload, under torchrun: each rank
+measures its own). Nothing the observer does allocates on the device or keeps a tensor alive.
 
-How each category is measured (bytes):
-- params: the parameters' storages (tensor accounting; a tied embedding counted once).
+How each category is measured (bytes, on this rank's device):
+- params: the parameters' storages (tensor accounting; a tied embedding counted once; stages
+  0-2: the flat buffers they are views of). ZeRO-3: this rank's fp32 shards (0 with
+  --offload params); the blocks gathered for compute are temporaries.
 - master_weights: 0. memfit's parameters are the fp32 master weights (autocast casts them per
   matmul), so there is no separate master copy; they are counted under params.
-- grads: the `.grad` storages right after the backward of the last micro-batch of the last step,
-  before the optimizer phase unscales, steps and frees them.
-- optimizer_states: the tensors in `optimizer.state` right after the last step's `optimizer.step()`
+- grads: the gradient storages the optimizer side holds right after the backward of the last
+  micro-batch of the last step, before the optimizer phase unscales, steps and frees them (the
+  parameters' `.grad`; ZeRO: the flat gradient buckets and this rank's gradient shards).
+- optimizer_states: the device tensors in `optimizer.state` right after the last step's `optimizer.step()`
   (or where it would have been, if fp16 overflow skipped it): AdamW's two moments, SGD's
   momentum. 0-dim bookkeeping tensors (AdamW's step counters, one scalar per parameter tensor)
-  are left out.
+  are left out. Under offload they are in host memory: `host_bytes`, with the fp32 master shards
+  and their gradients.
 - logits_loss: what the fused linear cross-entropy keeps for backward (it computes its gradients
   during the forward; ops/cross_entropy.py): the tensors saved on the `LinearCrossEntropyFunction`
   autograd node, found by walking `loss.grad_fn` at the end of the forward: grad_hidden (tokens x
@@ -26,9 +30,11 @@ How each category is measured (bytes):
   checkpointing the matmuls also keep it for backward). Measured in the probe forward: a
   TorchDispatchMode records every storage created by an op whose input is a parameter and whose
   output has that parameter's shape in another dtype; the bytes of those still alive at the end of
-  the forward (inside the autocast context) are the temporaries. 0 in fp32.
+  the forward (inside the autocast context) are the temporaries. 0 in fp32. ZeRO-3: instead the
+  parameters gathered at the end of the first micro-batch's forward (in the compute dtype, so
+  autocast copies nothing): the root unit and the prefetched block.
 - activations: what one micro-batch's forward leaves for backward, less logits_loss and
-  temporaries (counted above). Measured at the end of the forward, inside the autocast context.
+  temporaries (counted above; ZeRO-3: less the gathered parameters). Measured at the end of the forward, inside the autocast context.
   CUDA: `torch.cuda.memory_allocated()` right after the loss is computed minus right before the
   forward started, in the first micro-batch of the last measured step. CPU (no allocator
   statistics): in the probe forward, the bytes of the storages created by the forward and still
@@ -60,7 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +79,7 @@ from memfit.planner.memory import CATEGORIES
 from memfit.profile.timeline import CudaTimelineRecorder, MemoryTimeline
 from memfit.train.engine import Trainer
 from memfit.train.precision import autocast
+from memfit.train.step import StepObserver
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -96,6 +103,9 @@ class MemoryMeasurement:
     timeline: MemoryTimeline | None = None
     """Allocated bytes over the last step (CUDA only)."""
     notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0
+    """Offload: host memory of this rank's fp32 master shards, their gradients and the optimizer
+    states (read off the tensors)."""
 
     @property
     def total_bytes(self) -> int:
@@ -110,6 +120,7 @@ class MemoryMeasurement:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "phase_peaks": dict(self.phase_peaks),
+            "host_bytes": self.host_bytes,
             "notes": list(self.notes),
         }
 
@@ -128,13 +139,15 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return _storage_bytes(
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Bytes of `optimizer`'s per-element states on `device` (offloaded ones are on the host)."""
+    states = (
         value
         for state in optimizer.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     )
+    return _storage_bytes(_on(device, states))
 
 
 def _find_loss_node(loss: torch.Tensor) -> Any | None:
@@ -165,11 +178,16 @@ def _loss_saved_bytes(loss: torch.Tensor) -> int | None:
 
 
 class _StorageRecorder(TorchDispatchMode):
-    """Weak references to every storage an op returns, flagging casts of parameters."""
+    """Weak references to every storage an op returns, flagging casts of parameters. Storages
+    `parameter_buffers()` names (ZeRO-3's gathered parameters, written in place by the all-gather,
+    which returns them) are parameters, not new storages."""
 
-    def __init__(self, parameter_storages: set[int]) -> None:
+    def __init__(
+        self, parameter_storages: set[int], parameter_buffers: Callable[[], set[int]] = set
+    ) -> None:
         super().__init__()
         self.parameter_storages = parameter_storages
+        self.parameter_buffers = parameter_buffers
         self.storages: list[tuple[StorageWeakRef, int, int, bool]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -179,9 +197,13 @@ class _StorageRecorder(TorchDispatchMode):
             isinstance(source, torch.Tensor)
             and source.untyped_storage().data_ptr() in self.parameter_storages
         )
+        buffers = None
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 storage = tensor.untyped_storage()
+                buffers = self.parameter_buffers() if buffers is None else buffers
+                if storage.data_ptr() in buffers:
+                    continue
                 is_weight_copy = (
                     from_parameter and tensor.shape == source.shape and tensor.dtype != source.dtype
                 )
@@ -225,7 +247,14 @@ def _probe_forward(trainer: Trainer) -> _ProbeResult:
     targets = targets.to(trainer.device)
     num_tokens = max(1, int((targets != -100).sum()))
     parameters = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    recorder = _StorageRecorder(parameters)
+    sharded = trainer.sharded
+
+    def gathered() -> set[int]:
+        if sharded is None:
+            return set()
+        return {b.full.untyped_storage().data_ptr() for b in sharded.buckets}
+
+    recorder = _StorageRecorder(parameters, gathered)
     with _eager(trainer), autocast(trainer.precision, trainer.device):
         with recorder:
             loss = trainer.model(inputs, targets) / num_tokens
@@ -233,37 +262,21 @@ def _probe_forward(trainer: Trainer) -> _ProbeResult:
         live, copies = recorder.live(exclude=parameters | {loss.untyped_storage().data_ptr()})
         saved = _loss_saved_bytes(loss)
     del loss, recorder  # frees the graph: the probe leaves nothing behind
+    if trainer.sharded is not None:  # no backward follows to release the root
+        trainer.sharded.release_all()
     return _ProbeResult(live_bytes=live, weight_copy_bytes=copies, loss_saved_bytes=saved)
 
 
-# -- observed steps ----------------------------------------------------------------------------
+# -- the observed step ---------------------------------------------------------------------
 
 
-class _StepObserver:
-    """Called at the phase boundaries of `_run_step`; this base observes nothing."""
-
-    def begin(self, phase: str) -> None:
-        pass
-
-    def end(self, phase: str) -> None:
-        pass
-
-    def forward_done(self, micro_batch: int, loss: torch.Tensor) -> None:
-        pass
-
-    def backward_done(self, trainer: Trainer) -> None:
-        pass
-
-    def optimizer_stepped(self, trainer: Trainer) -> None:
-        pass
-
-
-class _LastStepObserver(_StepObserver):
+class _LastStepObserver(StepObserver):
     """Phase peaks, the first micro-batch's forward delta, loss buffers, grads and states."""
 
-    def __init__(self, device: torch.device, timeline: CudaTimelineRecorder | None) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
+    def __init__(self, trainer: Trainer, timeline: CudaTimelineRecorder | None) -> None:
+        self.trainer = trainer
+        self.device = trainer.device
+        self.cuda = self.device.type == "cuda"
         self.timeline = timeline
         self.phase_peaks: dict[str, int] = {}
         self.peak_allocated = 0
@@ -271,6 +284,7 @@ class _LastStepObserver(_StepObserver):
         self.forward_start = 0
         self.forward_delta: int | None = None
         self.loss_saved: int | None = None
+        self.gathered = 0
         self.grads = 0
         self.optimizer_states = 0
 
@@ -301,53 +315,23 @@ class _LastStepObserver(_StepObserver):
         if self.cuda:
             self.forward_delta = torch.cuda.memory_allocated(self.device) - self.forward_start
         self.loss_saved = _loss_saved_bytes(loss)
+        sharded = self.trainer.sharded
+        if sharded is not None:
+            self.gathered = _storage_bytes(b.full for b in sharded.buckets)
 
-    def backward_done(self, trainer: Trainer) -> None:
-        self.grads = _storage_bytes(p.grad for p in trainer.model.parameters())
+    def backward_done(self) -> None:
+        self.grads = _storage_bytes(_on(self.device, self.trainer.updater.held_gradients()))
 
-    def optimizer_stepped(self, trainer: Trainer) -> None:
-        self.optimizer_states = _optimizer_state_bytes(trainer.optimizer)
-
-
-def _run_step(trainer: Trainer, observer: _StepObserver) -> None:
-    """`Trainer.train_step`'s dataflow, phase by phase, reporting to `observer`."""
-    train = trainer.config.train
-    device = trainer.device
-    micro_batches = [next(trainer.batches) for _ in range(train.grad_accum)]
-    num_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
-    for index, (inputs, targets) in enumerate(micro_batches):
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        observer.begin("forward")
-        with autocast(trainer.precision, device):
-            loss = trainer.model(inputs, targets) / num_tokens
-            observer.forward_done(index, loss)
-        observer.end("forward")
-        observer.begin("backward")
-        trainer.scaler.scale(loss).backward()
-        del loss
-        observer.end("backward")
-
-    observer.begin("optimizer")
-    observer.backward_done(trainer)
-    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    finite = trainer.scaler.unscale_and_check(params)
-    if finite:
-        if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=True)
+    def optimizer_stepped(self) -> None:
+        zero = self.trainer.zero
+        if zero is not None and zero.offload:  # in host memory (also when the device is the CPU)
+            self.optimizer_states = 0
         else:
-            torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in params if p.grad is not None])
-            )
-        trainer.optimizer.step()
-    observer.optimizer_stepped(trainer)
-    trainer.scaler.update()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    if finite:
-        trainer.scheduler.step()
-    observer.end("optimizer")
-    trainer.step += 1
-    trainer.tokens_seen += num_tokens
+            self.optimizer_states = _optimizer_state_bytes(self.trainer.optimizer, self.device)
+
+
+def _on(device: torch.device, tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None and t.device.type == device.type]
 
 
 # -- the measurement ---------------------------------------------------------------------------
@@ -377,21 +361,21 @@ def measure_memory(
     cuda = device.type == "cuda"
     notes: list[str] = []
     for _ in range(warmup_steps):
-        _run_step(trainer, _StepObserver())
+        trainer.train_step()
 
     if cuda:
         gc.collect()  # garbage of the warm-up must not count in the measured steps
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     recorder = CudaTimelineRecorder(device) if cuda and timeline else None
-    observer = _LastStepObserver(device, recorder)
+    observer = _LastStepObserver(trainer, recorder)
     recorded: MemoryTimeline | None = None
     for index in range(steps):
         last = index == steps - 1
         if last and recorder is not None:
             recorder.start()
         try:
-            _run_step(trainer, observer if last else _StepObserver())
+            trainer.train_step(observer if last else None)
         finally:
             if last and recorder is not None:
                 recorded = recorder.stop()
@@ -412,19 +396,25 @@ def measure_memory(
             torch.cuda.empty_cache()
             notes.append("the eager probe forward ran out of memory: temporaries not measured (0)")
 
-    params = _storage_bytes(trainer.model.parameters())
+    if trainer.sharded is not None:
+        params = trainer.sharded.parameter_bytes()
+    else:
+        params = _storage_bytes(_on(device, trainer.model.parameters()))
     logits_loss = observer.loss_saved
     if logits_loss is None:
         logits_loss = 0
         notes.append("the loss is not memfit's linear cross-entropy: logits_loss not measured")
-    temporaries = probe.weight_copy_bytes
+    temporaries = max(probe.weight_copy_bytes, observer.gathered)
     if cuda:
         forward_bytes = observer.forward_delta or 0
         loss_in_forward = logits_loss
     else:
         forward_bytes = probe.live_bytes
         loss_in_forward = probe.loss_saved_bytes or 0
-    activations = max(0, forward_bytes - loss_in_forward - temporaries)
+    # CUDA's forward delta holds the units gathered in it (their storages grow in place, which
+    # the CPU probe's recorder does not see as new storages)
+    in_forward = probe.weight_copy_bytes + (observer.gathered if cuda else 0)
+    activations = max(0, forward_bytes - loss_in_forward - in_forward)
 
     measured = {
         "params": params,
@@ -455,4 +445,5 @@ def measure_memory(
         steps=steps,
         timeline=recorded,
         notes=notes,
+        host_bytes=trainer.zero.state_bytes()["host"] if trainer.zero is not None else 0,
     )

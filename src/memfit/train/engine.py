@@ -1,18 +1,17 @@
-"""The single-device training engine.
+"""The training engine: one process, or one rank of a torchrun data-parallel run.
 
 `Trainer(config)` builds, in this order (each step documented where it is done):
-  1. device, precision, seeds;
-  2. data (tokenizer, packed token batches);
+  1. process group, device, precision, seeds; the config's rules that need the world size;
+  2. data (tokenizer, packed token batches, this rank's share);
   3. the model, constructed on the meta device and materialized on the target device;
-  4. techniques applied to the plain model: activation checkpointing, then torch.compile;
-  5. optimizer, LR schedule, loss scaler;
+  4. techniques applied to the plain model (train/parallelize.py): activation checkpointing,
+     then torch.compile, then ZeRO-3 parameter sharding;
+  5. the optimizer side (one process: LocalOptimizer; data parallel or offload: ZeroOptimizer
+     over the same parameter groups), LR schedule, loss scaler;
   6. resume from the run directory's latest checkpoint if asked.
-`Trainer.fit()` runs the optimizer steps; each step:
-  - draws `grad_accum` micro-batches and counts their target tokens T;
-  - for each micro-batch: forward under autocast, loss = (sum of token losses) / T, backward
-    (so k micro-batches of b sequences give exactly the gradient of one batch of k*b);
-  - unscales fp16 gradients and skips the step on inf/NaN; clips the global norm; steps;
-  - stops with `TrainingDiverged` on a non-finite loss in fp32/bf16, before anything is saved.
+`Trainer.fit()` runs the optimizer steps, each one `train/step.py`'s `train_step` (the one the
+profiler observes), and stops with `TrainingDiverged` on a non-finite loss in fp32/bf16, before
+anything is saved.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import random
 import resource
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,16 +31,17 @@ from typing import Any
 import torch
 
 import memfit.distributed.launch as launch
-from memfit.config import Config, to_toml
+from memfit.config import Config, check_parallelism, to_toml
 from memfit.distributed import ZeroOptimizer
 from memfit.functional import resolve_attention
 from memfit.models.config import load_model_config
 from memfit.models.llama import build_model
+from memfit.optim import LocalOptimizer, build_scheduler, make_optimizer, parameter_groups
 from memfit.train import checkpoint as ckpt
-from memfit.train.checkpointing import apply_activation_checkpointing
 from memfit.train.data import build_data
-from memfit.train.optim import build_optimizer, build_scheduler, make_optimizer, parameter_groups
-from memfit.train.precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
+from memfit.train.parallelize import compiles_blocks, parallelize
+from memfit.train.precision import DTYPES, DynamicLossScaler, resolve_precision
+from memfit.train.step import StepObserver, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -111,16 +110,6 @@ def device_peak_flops(device: torch.device) -> float | None:
     return gpu.bf16_flops if gpu is not None else None
 
 
-def compiles_blocks(compile: str, device: torch.device, checkpointing: str) -> bool:
-    """Whether `--compile` compiles the blocks. auto: on CUDA when blocks are not checkpointed.
-    Compiled checkpointed blocks kept more memory than eager ones in our H100 measurements
-    (llama-1b, micro-batch 8, full: 19.8 vs 15.4 GiB peak), while eager with memfit's kernels was
-    within 3-12% of their speed (BENCHMARKS.md); --compile on still compiles them."""
-    return compile == "on" or (
-        compile == "auto" and device.type == "cuda" and checkpointing == "none"
-    )
-
-
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,24 +163,16 @@ class Trainer:
         self.config = config
         train = config.train
         zero, offload = config.distributed.zero, config.distributed.offload
-        if offload == "params" and zero != 3:
-            raise ConfigError(
-                f"--offload params keeps parameter shards in CPU memory, which needs --zero 3 "
-                f"(got --zero {zero}); --offload optimizer works with any stage"
-            )
 
         # 1. process group, device, precision, seeds
         self.world, self.device = launch.init_world(
             resolve_device(train.device), timeout_s=config.distributed.timeout_s
         )
-        if zero > 0 and not self.world.distributed and offload == "none":
-            raise ConfigError(
-                f"--zero {zero} shards the training state across processes: launch with "
-                f"`torchrun --nproc_per_node N -m memfit train --zero {zero} ...` (N GPUs); on one "
-                "GPU, --offload optimizer (or --zero 3 --offload params) keeps the optimizer (and "
-                "the parameters) in CPU memory instead"
-            )
         try:
+            check_parallelism(
+                zero=zero, offload=offload, optimizer=train.optimizer,
+                world_size=self.world.world_size,
+            )  # fmt: skip
             launch.check_same({"config": to_toml(config)})
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -255,40 +236,39 @@ class Trainer:
         )
         self.model.train()
 
-        # 4. techniques, in order: activation checkpointing, then compile
-        apply_activation_checkpointing(self.model, train.checkpointing)
+        # 4. techniques, in order: activation checkpointing, compile, ZeRO-3 sharding
+        groups = parameter_groups(self.model, train.weight_decay)
         self.compiled = compiles_blocks(config.model.compile, self.device, train.checkpointing)
-        if self.compiled:
-            # Inductor fuses each block's elementwise work (norms, RoPE, SwiGLU, residual adds)
-            # into a few kernels; blocks share one compiled graph (same code, same shapes). The
-            # forward is compiled, not the module's call, which would trace the module hooks
-            # ZeRO-3 gathers parameters in.
-            for block in self.model.layers:
-                block.forward = torch.compile(block.forward)
+        self.sharded = parallelize(
+            self.model,
+            checkpointing=train.checkpointing,
+            compile=self.compiled,
+            zero=zero,
+            param_groups=groups,
+            param_dtype=DTYPES[self.precision],
+            offload_params=offload == "params",
+        )
 
-        # 5. optimizer (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
+        # 5. the optimizer side (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
         self.zero: ZeroOptimizer | None = None
         if offload != "none" and (threads := launch.use_host_threads()):
             logger.info("offload: the CPU step runs on %d threads on this rank", threads)
         if self.world.distributed or offload != "none":
             step_device = torch.device("cpu") if offload != "none" else self.device
             self.zero = ZeroOptimizer(
-                parameter_groups(self.model, train.weight_decay),
-                lambda groups: make_optimizer(groups, train, step_device),
+                groups,
+                lambda shard_groups: make_optimizer(shard_groups, train, step_device),
                 stage=zero,
                 offload=offload,
                 reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[
                     config.distributed.reduce_dtype
                 ],
-                # stage 3: each block is gathered on its own; the rest (embedding, final norm,
-                # output) with the model, in the compute dtype (autocast then casts nothing)
-                units=list(self.model.layers) if zero == 3 else (),
-                root=self.model if zero == 3 else None,
-                param_dtype=DTYPES[self.precision],
+                sharded=self.sharded,
             )
-            self.optimizer = self.zero.optimizer
+            self.updater: LocalOptimizer | ZeroOptimizer = self.zero
         else:
-            self.optimizer = build_optimizer(self.model, train)
+            self.updater = LocalOptimizer(make_optimizer(groups, train, self.device))
+        self.optimizer = self.updater.optimizer
         self.scheduler = build_scheduler(self.optimizer, train)
         ls = config.loss_scale
         self.scaler = DynamicLossScaler(
@@ -409,11 +389,12 @@ class Trainer:
 
     # -- training ---------------------------------------------------------------------------
 
-    def train_step(self) -> StepMetrics:
-        """One optimizer step over `grad_accum` micro-batches. Out of GPU memory, it raises
-        torch.OutOfMemoryError saying what memfit's planner would run instead."""
+    def train_step(self, observer: StepObserver | None = None) -> StepMetrics:
+        """One optimizer step over `grad_accum` micro-batches (`memfit.train.step.train_step`,
+        told to `observer`). Out of GPU memory, it raises torch.OutOfMemoryError saying what
+        memfit's planner would run instead."""
         try:
-            return self._train_step()
+            return self._train_step(observer)
         except torch.OutOfMemoryError as error:
             raise self._out_of_memory(error) from error
 
@@ -445,48 +426,22 @@ class Trainer:
             )
         return OutOfMemory("\n".join(lines))
 
-    def _train_step(self) -> StepMetrics:
+    def _train_step(self, observer: StepObserver | None) -> StepMetrics:
         train = self.config.train
         start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(train.grad_accum)]
-        num_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for index, (inputs, targets) in enumerate(micro_batches):
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            last = index == len(micro_batches) - 1
-            # ZeRO: communicate once per step, on the last micro-batch's backward
-            sync = self.zero.no_sync() if self.zero is not None and not last else nullcontext()
-            with sync:
-                with autocast(self.precision, self.device):
-                    # per rank, the mean over its tokens; the ranks' gradients are then averaged
-                    loss = self.model(inputs, targets) / num_tokens
-                self.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-
-        if self.zero is not None:
-            grads, clip = self.zero.gradients(), self.zero.clip_grad_norm_
-            step, zero_grad = self.zero.step, self.zero.zero_grad
-        else:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            grads = [p.grad for p in params if p.grad is not None]
-
-            def clip(max_norm: float) -> torch.Tensor:
-                if max_norm > 0:
-                    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-                return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-
-            step = self.optimizer.step
-            zero_grad = lambda: self.optimizer.zero_grad(set_to_none=True)  # noqa: E731
-        finite = self.scaler.unscale_and_check_grads(grads, across_ranks=self.world.distributed)
-        if self.zero is not None and self.scaler.enabled:  # offload: for the host's copies
-            self.zero.note_gradients_scaled(1.0 / self.scaler.scale_value)
-        grad_norm = torch.zeros((), device=self.device)
-        if finite:
-            grad_norm = clip(train.grad_clip)
-            step()
-        zero_grad()
-        self.scaler.update()
+        result = train_step(
+            self.model,
+            self.updater,
+            self.scaler,
+            micro_batches,
+            precision=self.precision,
+            device=self.device,
+            grad_clip=train.grad_clip,
+            across_ranks=self.world.distributed,
+            observer=observer,
+        )
+        loss_sum, num_tokens, finite = result.loss, result.num_tokens, result.finite
         lr = self.scheduler.get_last_lr()[0]
         if finite:  # a skipped step does not advance the schedule
             self.scheduler.step()
@@ -525,7 +480,7 @@ class Trainer:
             tokens_per_s=tokens_per_s,
             step_time_s=elapsed,
             lr=lr,
-            grad_norm=float(grad_norm),
+            grad_norm=float(result.grad_norm),
             mem_allocated_bytes=allocated,
             mem_peak_bytes=peak,
             loss_scale=self.scaler.scale_value if self.scaler.enabled else None,

@@ -1,19 +1,19 @@
-"""Optimizers and the learning-rate schedule.
-
-AdamW uses PyTorch's fused kernel, on CUDA (one launch for all parameters) and on the CPU
-(ZeRO-Offload's step: one vectorized, multi-threaded pass per tensor, 5x the foreach path's speed
-in our measurements and without its full-size temporaries). Weight decay applies to matrices and embeddings only, not to
-norm weights or biases.
+"""Parameter groups, the configured optimizer (built from the registry) and the learning-rate
+schedule. Weight decay applies to matrices and embeddings only, not to norm weights or biases.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from memfit.config import TrainSection
+from memfit.optim.registry import get_optimizer
+
+if TYPE_CHECKING:
+    from memfit.config import TrainSection
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -28,22 +28,18 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
-    groups = parameter_groups(model, train.weight_decay)
-    return make_optimizer(groups, train, next(model.parameters()).device)
-
-
 def make_optimizer(
     groups: list[dict], train: TrainSection, device: torch.device
 ) -> torch.optim.Optimizer:
-    """The configured optimizer over `groups` (tensors on `device`): fused AdamW on CUDA and
-    CPU (e.g. ZeRO-Offload's step), foreach elsewhere."""
-    if train.optimizer == "adamw":
-        fast = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
-        return torch.optim.AdamW(
-            groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **fast
-        )
-    return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum, foreach=True)
+    """The configured optimizer (`train.optimizer`, from the registry) over `groups`, tensors on
+    `device` (the CPU for ZeRO-Offload's step)."""
+    return get_optimizer(train.optimizer).build(
+        groups,
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        momentum=train.momentum,
+        device=device,
+    )
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
