@@ -4,7 +4,7 @@
   1. process group, device, precision, seeds; the config's rules that need the world size;
   2. data (tokenizer, packed token batches, this rank's share);
   3. the model, constructed on the meta device and materialized on the target device;
-  4. techniques applied to the plain model (train/parallelize.py): activation checkpointing,
+  4. techniques applied to the plain model (distributed/parallelize.py): activation checkpointing,
      then torch.compile, then ZeRO-3 parameter sharding;
   5. the optimizer side (one process: LocalOptimizer; data parallel or offload: ZeroOptimizer
      over the same parameter groups), LR schedule, loss scaler;
@@ -21,10 +21,8 @@ import logging
 import math
 import os
 import random
-import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +31,15 @@ import torch
 import memfit.distributed.launch as launch
 from memfit.config import Config, check_parallelism, to_toml
 from memfit.distributed import ZeroOptimizer
+from memfit.distributed.parallelize import compiles_blocks, parallelize
 from memfit.functional import resolve_attention
 from memfit.models.config import load_model_config
 from memfit.models.llama import build_model
 from memfit.optim import LocalOptimizer, build_scheduler, make_optimizer, parameter_groups
+from memfit.planner.advice import planner_advice, preflight
 from memfit.train import checkpoint as ckpt
 from memfit.train.data import build_data
-from memfit.train.parallelize import compiles_blocks, parallelize
+from memfit.train.metrics import StepMetrics, device_peak_flops, memory_stats
 from memfit.train.precision import DTYPES, DynamicLossScaler, resolve_precision
 from memfit.train.step import StepObserver, train_step
 
@@ -58,58 +58,6 @@ class ConfigError(ValueError):
     """A strategy that cannot run as configured."""
 
 
-# The planner's peaks are within about 5% of measured ones (BENCHMARKS.md): a run it puts this
-# far over the GPU is refused before anything is allocated; one over but closer gets a warning.
-PREFLIGHT_REFUSE = 1.25
-
-
-def planner_advice(model_config, strategy, gpu) -> tuple[int, list[str]]:
-    """The bytes per GPU the planner puts `strategy` at on `gpu`, and two lines saying so and
-    which single changes would fit (`what_would_fit`)."""
-    from memfit.planner import plan, what_would_fit
-
-    need = plan(model_config, strategy, gpu).required_bytes
-    lines = [
-        f"memfit's planner puts this run at {need / 2**30:.1f} GiB per GPU, the {gpu.name} has "
-        f"{gpu.memory_bytes / 2**30:.1f} GiB"
-    ]
-    fixes = what_would_fit(model_config, strategy, gpu)[:3]
-    if fixes:
-        lines.append(
-            "single changes that fit: "
-            + "; ".join(f"{label} ({p.required_bytes / 2**30:.1f} GiB)" for label, p in fixes)
-        )
-    else:
-        lines.append(
-            "no single change fits: `memfit plan --recommend` ranks combined strategies "
-            "(checkpointing, ZeRO across GPUs, offload)"
-        )
-    return need, lines
-
-
-def preflight(model_config, strategy, gpu) -> tuple[str, str | None]:
-    """What the planner says of a run before it starts: ("ok", None), or ("warn" | "refuse",
-    the message: the run's size against the GPU's and the single changes that would fit)."""
-    need, lines = planner_advice(model_config, strategy, gpu)
-    if need <= gpu.memory_bytes:
-        return "ok", None
-    verdict = "refuse" if need > PREFLIGHT_REFUSE * gpu.memory_bytes else "warn"
-    lines[0] = f"{model_config.name} ({strategy.describe()}): {lines[0]}" + (
-        ": it cannot fit" if verdict == "refuse" else ": it may run out of memory"
-    )
-    return verdict, "\n".join(lines)
-
-
-def device_peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the present GPU from the planner's hardware catalog (for MFU)."""
-    if device.type != "cuda":
-        return None
-    from memfit.planner.hardware import detect_gpu
-
-    gpu = detect_gpu()
-    return gpu.bf16_flops if gpu is not None else None
-
-
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,39 +71,6 @@ def resolve_device(spec: str) -> torch.device:
 
 def default_run_dir(model_name: str) -> str:
     return os.path.join("runs", f"{Path(model_name).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def memory_stats(device: torch.device) -> tuple[int, int]:
-    """(allocated, peak) bytes: torch.cuda's allocator statistics on CUDA; on CPU the process's
-    resident set size now and at its maximum."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    try:
-        with open("/proc/self/statm") as f:
-            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        current = peak
-    return current, peak
-
-
-@dataclass
-class StepMetrics:
-    step: int
-    loss: float
-    tokens: int
-    tokens_per_s: float
-    step_time_s: float
-    lr: float
-    grad_norm: float
-    mem_allocated_bytes: int
-    mem_peak_bytes: int
-    loss_scale: float | None = None
-    skipped: bool = False
-    mfu: float | None = None
-
-    def to_json(self) -> str:
-        return json.dumps({k: v for k, v in self.__dict__.items() if v is not None})
 
 
 class Trainer:
