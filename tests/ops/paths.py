@@ -1,6 +1,9 @@
 """What the ops tests share: running a test on the plain-PyTorch path or on the Triton kernels
 under the interpreter, and checking which of the two really ran."""
 
+import importlib.util
+import sys
+
 import pytest
 import torch
 
@@ -35,3 +38,21 @@ def floor_for(path: str, dtype: torch.dtype) -> float:
     """assert_error_within's floor: its default, plus half a bf16 ulp (2**-8 relative to the
     largest value) for bf16 under the interpreter, which truncates where the GPU rounds."""
     return 2.0**-8 if path == "triton" and dtype == torch.bfloat16 else 1e-6
+
+
+def import_without_triton(monkeypatch, module, name: str):
+    """A fresh copy of op `module` (and of the ops' shared `_triton`) imported as if triton were
+    not installed: `import triton` raises ImportError for the rest of the test."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    fresh = []
+    for module_name, path in (
+        ("memfit.ops._triton", memfit.ops._triton.__file__),
+        (name, module.__file__),
+    ):
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        loaded = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, module_name, loaded)
+        spec.loader.exec_module(loaded)
+        fresh.append(loaded)
+    return fresh[-1]

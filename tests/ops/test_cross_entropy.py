@@ -1,12 +1,9 @@
-import importlib.util
-import sys
-
 import pytest
 import torch
 
 import memfit.ops.cross_entropy as cross_entropy_module
 from memfit.ops.cross_entropy import linear_cross_entropy
-from tests.ops.paths import kernels_on_cpu, on_path
+from tests.ops.paths import import_without_triton, kernels_on_cpu, on_path
 from tests.reference import assert_error_within, linear_cross_entropy_reference
 
 IGNORE = -100
@@ -198,14 +195,10 @@ def test_plain_path_while_torch_compile_traces(monkeypatch):
 
 def test_works_without_triton(monkeypatch):
     """Where triton is missing, the module imports and serves every call on the plain path."""
-    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    kernels_on_cpu(monkeypatch)
-    spec = importlib.util.spec_from_file_location(
-        "cross_entropy_without_triton", cross_entropy_module.__file__
+    module = import_without_triton(
+        monkeypatch, cross_entropy_module, "cross_entropy_without_triton"
     )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    kernels_on_cpu(monkeypatch)
     assert not module.HAS_TRITON
     hidden_states, weight, targets = make_inputs(5, 8, 11, torch.float64)
     ours = loss_and_grads(module.linear_cross_entropy, hidden_states, weight, targets)

@@ -1,13 +1,11 @@
-import importlib.util
 import math
-import sys
 
 import pytest
 import torch
 
 import memfit.ops.rotary as rotary_module
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
-from tests.ops.paths import kernels_on_cpu, on_path
+from tests.ops.paths import import_without_triton, kernels_on_cpu, on_path
 from tests.reference import assert_error_within, rotary_reference, saved_tensor_bytes
 
 LLAMA3_SCALING = {
@@ -163,12 +161,8 @@ def test_plain_path_while_torch_compile_traces(monkeypatch):
 
 def test_works_without_triton(monkeypatch):
     """Where triton is missing, the module imports and serves every call on the plain path."""
-    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
+    module = import_without_triton(monkeypatch, rotary_module, "rotary_without_triton")
     kernels_on_cpu(monkeypatch)
-    spec = importlib.util.spec_from_file_location("rotary_without_triton", rotary_module.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     assert not module.HAS_TRITON
     x = torch.randn(2, 3, 2, 8, requires_grad=True)
     cos, sin = rotary_cos_sin(3, 8, theta=10000.0)

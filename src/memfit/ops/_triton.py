@@ -14,14 +14,20 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import types
 from collections.abc import Iterator
 
 import torch
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON:
+try:
     import triton
     import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # no triton on this platform (macOS): kernels are defined, never launched
+    HAS_TRITON = False
+    triton = types.SimpleNamespace(jit=lambda fn: fn, autotune=None, Config=None)
+    tl = types.SimpleNamespace(constexpr=None)
 _cpu_requested = False
 
 

@@ -73,22 +73,11 @@ cost more than the unfused head's, so on CUDA it only serves torch.compile, whic
 
 import contextlib
 import functools
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, round_to_bf16, use_triton_on
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # no triton on this platform: the plain-PyTorch path serves every call
-    HAS_TRITON = False
-    triton = SimpleNamespace(jit=lambda fn: fn)  # kernels are defined but never launched
-    tl = SimpleNamespace(constexpr=None)
+from memfit.ops._triton import HAS_TRITON, launch, round_to_bf16, tl, triton, use_triton_on
 
 __all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy"]
 

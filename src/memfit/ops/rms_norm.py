@@ -43,22 +43,11 @@ ctx so that an in-place update of it before backward is caught by autograd's ver
 """
 
 import functools
-import types
 
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, promoted_dtype, rows_view, use_triton
-
-try:
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # e.g. macOS: the kernels below are defined but never launched
-    triton = types.SimpleNamespace(jit=lambda fn: fn)
-    tl = types.SimpleNamespace(constexpr=None)
-    _HAS_TRITON = False
+from memfit.ops._triton import HAS_TRITON, launch, promoted_dtype, rows_view, tl, triton, use_triton
 
 __all__ = ["RMSNormFunction", "rms_norm", "rms_norm_backward", "rms_norm_forward"]
 
@@ -201,7 +190,7 @@ def _backward_programs(device: torch.device, num_warps: int) -> int:
 
 
 def _validate_kernel_inputs(name: str, x2d: Tensor, weight: Tensor) -> None:
-    if not _HAS_TRITON:
+    if not HAS_TRITON:
         raise RuntimeError(f"{name} needs triton; use rms_norm(), which falls back to PyTorch")
     if x2d.dim() != 2 or x2d.stride(1) != 1:
         raise ValueError(

@@ -48,22 +48,19 @@ is copied first. Outputs and input gradients are contiguous (batch, seq, heads, 
 """
 
 import math
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, promoted_dtype, round_to_bf16, use_triton_on
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # no triton on this platform: the plain-PyTorch path serves every call
-    HAS_TRITON = False
-    triton = SimpleNamespace(jit=lambda fn: fn)  # kernels are defined but never launched
-    tl = SimpleNamespace(constexpr=None)
+from memfit.ops._triton import (
+    HAS_TRITON,
+    launch,
+    promoted_dtype,
+    round_to_bf16,
+    tl,
+    triton,
+    use_triton_on,
+)
 
 __all__ = [
     "RotaryFunction",

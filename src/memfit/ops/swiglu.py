@@ -40,22 +40,10 @@ Cautions: autocast does not change any op used here (no matmuls; the ops autocas
 already get fp32 inputs), so the result is the same inside and outside torch.autocast.
 """
 
-import types
-
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, promoted_dtype, rows_view, use_triton
-
-try:
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # e.g. macOS: the kernels below are defined but never launched
-    triton = types.SimpleNamespace(jit=lambda fn: fn)
-    tl = types.SimpleNamespace(constexpr=None)
-    _HAS_TRITON = False
+from memfit.ops._triton import HAS_TRITON, launch, promoted_dtype, rows_view, tl, triton, use_triton
 
 __all__ = ["SwiGLUFunction", "swiglu", "swiglu_backward", "swiglu_forward"]
 
@@ -73,6 +61,24 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _tile_indices(rows, ffn, BLOCK_ROWS, BLOCK):
+    """This program's (BLOCK_ROWS, BLOCK) tile: row and column indices and the in-bounds mask."""
+    row_index = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    col_index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (row_index < rows)[:, None] & (col_index < ffn)[None, :]  # (BLOCK_ROWS, BLOCK)
+    return row_index, col_index, mask
+
+
+@triton.jit
+def _load_gate_up(gate_up_ptr, row_index, col_index, mask, stride_gate_up_row, ffn):
+    """gate and up of a tile in fp32: a row of gate_up holds gate, then up, ffn columns each."""
+    gate_ptrs = gate_up_ptr + row_index[:, None] * stride_gate_up_row + col_index[None, :]
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + ffn, mask=mask, other=0.0).to(tl.float32)
+    return gate, up
+
+
+@triton.jit
 def _swiglu_forward_kernel(
     gate_up_ptr,
     out_ptr,
@@ -83,13 +89,8 @@ def _swiglu_forward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row_index = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    col_index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (row_index < rows)[:, None] & (col_index < ffn)[None, :]  # (BLOCK_ROWS, BLOCK)
-
-    gate_ptrs = gate_up_ptr + row_index[:, None] * stride_gate_up_row + col_index[None, :]
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + ffn, mask=mask, other=0.0).to(tl.float32)
+    row_index, col_index, mask = _tile_indices(rows, ffn, BLOCK_ROWS, BLOCK)
+    gate, up = _load_gate_up(gate_up_ptr, row_index, col_index, mask, stride_gate_up_row, ffn)
 
     out = gate * tl.sigmoid(gate) * up
     out_ptrs = out_ptr + row_index[:, None] * stride_out_row + col_index[None, :]
@@ -109,13 +110,8 @@ def _swiglu_backward_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row_index = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    col_index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (row_index < rows)[:, None] & (col_index < ffn)[None, :]  # (BLOCK_ROWS, BLOCK)
-
-    gate_ptrs = gate_up_ptr + row_index[:, None] * stride_gate_up_row + col_index[None, :]
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + ffn, mask=mask, other=0.0).to(tl.float32)
+    row_index, col_index, mask = _tile_indices(rows, ffn, BLOCK_ROWS, BLOCK)
+    gate, up = _load_gate_up(gate_up_ptr, row_index, col_index, mask, stride_gate_up_row, ffn)
     grad_out_ptrs = grad_out_ptr + row_index[:, None] * stride_grad_out_row + col_index[None, :]
     grad_out = tl.load(grad_out_ptrs, mask=mask, other=0.0).to(tl.float32)
 
@@ -146,7 +142,7 @@ def _tile(rows: int, ffn: int) -> tuple[int, int, int]:
 
 
 def _validate_gate_up(name: str, gate_up2d: Tensor) -> None:
-    if not _HAS_TRITON:
+    if not HAS_TRITON:
         raise RuntimeError(f"{name} needs triton; use swiglu(), which falls back to PyTorch")
     if gate_up2d.dim() != 2 or gate_up2d.stride(1) != 1 or gate_up2d.shape[1] % 2 != 0:
         raise ValueError(
