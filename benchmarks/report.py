@@ -6,6 +6,12 @@ with the records of other such runs of the same commit merged in (a benchmark sp
 The attention tables (attention, attention_memory, attention_window, attention_train) are
 optional: where BENCHMARKS.md has no markers for one, it is printed instead of written.
 
+A measured run is shown against the prediction recorded with it (zero.py stores the planner's
+peak and step time before each job; planner_accuracy.py its predicted peaks), never re-planned by
+today's planner, whose model may since have been fitted to that very run: '-' where a record
+holds no prediction. Today's planner only fills in what was not measured (the scaling table's
+4 and 8 GPUs, its efficiency from planned figures, the plot's dashed lines).
+
     python benchmarks/report.py
     python benchmarks/report.py --results /tmp/results --dry-run   # print the tables, write nothing
 """
