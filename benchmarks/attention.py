@@ -45,7 +45,7 @@ from pathlib import Path
 import harness
 import torch
 import torch.nn.functional as F
-from harness import append_results, environment, percentiles
+from harness import append_results, cuda_span, environment, percentiles, time_calls
 from rich.console import Console
 from rich.table import Table
 
@@ -206,28 +206,10 @@ def make_inputs(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 def times_ms(fn: Callable[[], object], *, warmup: int, repeat: int, cuda: bool) -> list[float]:
-    """Milliseconds of each of `repeat` calls after `warmup` calls: CUDA events around each call,
-    launched back to back (perf_counter on the CPU: a smoke test only)."""
-    for _ in range(warmup):
-        fn()
-    if not cuda:
-        out = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - start) * 1e3)
-        return out
-    torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(repeat)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+    """Milliseconds of each of `repeat` calls after `warmup` calls: the harness's CUDA-event timer,
+    calls launched back to back (perf_counter on the CPU: a smoke test only)."""
+    device = "cuda" if cuda else "cpu"
+    return [t * 1e3 for t in time_calls(fn, warmup=warmup, repeat=repeat, device=device)]
 
 
 def time_impl(impl, q, k, v, grad_out, *, causal, window, warmup, repeat) -> dict:
@@ -437,13 +419,11 @@ def peak_extra(impl, q, k, v, grad_out) -> dict:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        grads = torch.autograd.grad(fwd(), (q, k, v), grad_out)
-        end.record()
+        with cuda_span() as seconds:
+            grads = torch.autograd.grad(fwd(), (q, k, v), grad_out)
         torch.cuda.synchronize()
         row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-        row["fwd_bwd_ms"] = start.elapsed_time(end)
+        row["fwd_bwd_ms"] = seconds() * 1e3
         del grads
     except torch.cuda.OutOfMemoryError as error:
         row["oom"] = True
@@ -648,6 +628,16 @@ def plot(run: dict, path: Path) -> Path | None:
 # --------------------------------------------------------------------------------------------
 
 
+def add_shape_options(
+    group: argparse._ArgumentGroup, section: str, *, max_seqlen_option: str, max_seqlen_help: str
+) -> None:
+    """A section's --SECTION-heads and --SECTION-head-dim (default 16 x 128), and the longest
+    sequence its dense (N x N) implementation runs at (default 16k)."""
+    group.add_argument(f"--{section}-heads", type=int, default=16)
+    group.add_argument(f"--{section}-head-dim", type=int, default=128)
+    group.add_argument(max_seqlen_option, type=int, default=16384, help=max_seqlen_help)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -687,13 +677,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument(
         "--window-impls", nargs="+", choices=WINDOW_IMPLS, default=list(WINDOW_IMPLS)
     )
-    group.add_argument("--window-heads", type=int, default=16)
-    group.add_argument("--window-head-dim", type=int, default=128)
-    group.add_argument(
-        "--mask-max-seqlen",
-        type=int,
-        default=16384,
-        help="sdpa-mask (dense, explicit (N, N) mask) only up to this N",
+    add_shape_options(
+        group,
+        "window",
+        max_seqlen_option="--mask-max-seqlen",
+        max_seqlen_help="sdpa-mask (dense, explicit (N, N) mask) only up to this N",
     )
     group = parser.add_argument_group("memory")
     group.add_argument(
@@ -708,13 +696,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=MEMORY_IMPLS,
         default=["memfit", "sdpa-flash", "sdpa-cudnn", "sdpa-math"],
     )
-    group.add_argument("--memory-heads", type=int, default=16)
-    group.add_argument("--memory-head-dim", type=int, default=128)
-    group.add_argument(
-        "--math-max-seqlen",
-        type=int,
-        default=16384,
-        help="sdpa-math (materializes N x N) only up to this N (64 GiB at 16k)",
+    add_shape_options(
+        group,
+        "memory",
+        max_seqlen_option="--math-max-seqlen",
+        max_seqlen_help="sdpa-math (materializes N x N) only up to this N (64 GiB at 16k)",
     )
     group = parser.add_argument_group("output")
     group.add_argument(

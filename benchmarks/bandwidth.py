@@ -25,7 +25,6 @@ import argparse
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -44,19 +43,11 @@ def _free_port() -> int:
 
 
 def _time_cuda(fn, *, warmup: int = 3, repeat: int = 10) -> float:
-    """Median seconds of one call of `fn` (CUDA events on the current stream)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of one call of `fn`: the harness's CUDA-event timer on the current stream,
+    the host waiting for each call before launching the next."""
+    return harness.median(
+        harness.time_calls(fn, warmup=warmup, repeat=repeat, sync_each=True, device="cuda")
+    )
 
 
 def collectives(world: int, device: torch.device) -> list[dict]:
@@ -112,19 +103,15 @@ def overlap(world: int, device: torch.device) -> dict:
     for _ in range(5):
         dist.barrier()
         torch.cuda.synchronize()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            events[2].record()
+        with torch.cuda.stream(side), harness.cuda_span(side) as comm_seconds:
             for _ in range(reduces):
                 dist.all_reduce(buffer)
-            events[3].record()
-        events[0].record()
-        compute()
-        events[1].record()
+        with harness.cuda_span() as compute_seconds:
+            compute()
         torch.cuda.synchronize()
-        samples.append((events[0].elapsed_time(events[1]), events[2].elapsed_time(events[3])))
-    beside, comm = (t / 1e3 for t in sorted(samples)[len(samples) // 2])
+        samples.append((compute_seconds(), comm_seconds()))
+    beside, comm = sorted(samples)[len(samples) // 2]
     flops = 2 * 8192**3 * gemms
     bus = buffer.numel() * 4 * 2 * (world - 1) / world
     return {
@@ -148,13 +135,8 @@ def host(device: torch.device) -> dict:
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.full((numel,), 1e-3)
     optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
-    optimizer.step()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    step = sorted(times)[1]
+    optimizer.step()  # creates the moments
+    step = harness.median(harness.time_calls(optimizer.step, warmup=0, repeat=3, device="cpu"))
     return {
         "pinned_h2d_bytes_per_s": size / h2d,
         "pinned_d2h_bytes_per_s": size / d2h,

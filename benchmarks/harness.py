@@ -1,19 +1,35 @@
-"""Shared benchmark harness: environment record, timing, results files.
+"""Shared benchmark harness: environment record, the one timer, results files.
 
 Every results file under benchmarks/results/ is a JSON list of runs; a run records the GPU,
 library versions, git commit and date next to its measurements, so BENCHMARKS.md tables can be
-regenerated from the files alone (benchmarks/report.py)."""
+regenerated from the files alone (benchmarks/report.py).
+
+Timing (`time_calls`, every script's): untimed warm-up calls first (compilation, autotuning,
+allocator growth, lazily created optimizer states), then one time per call, reported as
+p20 / p50 / p80 (`percentiles`) or the median. Two clocks:
+- "cuda": CUDA events recorded on the current stream around each call: the device's time of
+  what the call enqueued, without the host's launch latency in between when the calls are
+  launched back to back. For kernels, collectives and copies. On a CPU device, perf_counter
+  around each call (a smoke test of the script, not a measurement).
+- "wall": perf_counter around each call, the device synchronized before the first call and
+  after each one: the host's work between kernels counts. For whole training steps, whose
+  optimizer, data and host syncs are part of what is measured.
+`cuda_span` is the event pair itself, for measurements that time work on two streams at once.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -85,22 +101,58 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p20": q[1], "p50": statistics.median(values), "p80": q[7]}
 
 
-def time_steps(step: Callable[[], None], *, warmup: int, repeat: int) -> list[float]:
-    """Wall time in seconds of each of `repeat` calls of `step` after `warmup` calls, with the
-    device synchronized around each call."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    import time
+@contextlib.contextmanager
+def cuda_span(stream: torch.cuda.Stream | None = None) -> Iterator[Callable[[], float]]:
+    """CUDA events recorded on `stream` (the current stream by default) before and after the
+    body. Yields a function that returns the seconds between them; call it once the work has
+    completed (after a synchronize)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    yield lambda: start.elapsed_time(end) / 1e3
+    end.record(stream)
 
+
+def time_calls(
+    fn: Callable[[], object],
+    *,
+    warmup: int,
+    repeat: int,
+    clock: Literal["cuda", "wall"] = "cuda",
+    sync_each: bool = False,
+    device: torch.device | str | None = None,
+) -> list[float]:
+    """Seconds of each of `repeat` calls of `fn` after `warmup` untimed calls (module docstring:
+    the two clocks). With clock="cuda" the calls are launched back to back and the host waits once
+    at the end; `sync_each` makes it wait after every call instead (collectives and copies that
+    must not queue behind each other). `device`: where the work runs (default: CUDA when present);
+    on a CPU device both clocks are perf_counter around each call."""
+    cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
     for _ in range(warmup):
-        step()
-    sync()
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
+    if cuda and clock == "cuda":
+        spans = []
+        for _ in range(repeat):
+            with cuda_span() as seconds:
+                fn()
+            spans.append(seconds)
+            if sync_each:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return [seconds() for seconds in spans]
     for _ in range(repeat):
         start = time.perf_counter()
-        step()
-        sync()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
 
 
 def append_results(name: str, run: dict) -> Path:

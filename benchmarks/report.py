@@ -6,6 +6,12 @@ with the records of other such runs of the same commit merged in (a benchmark sp
 The attention tables (attention, attention_memory, attention_window, attention_train) are
 optional: where BENCHMARKS.md has no markers for one, it is printed instead of written.
 
+A measured run is shown against the prediction recorded with it (zero.py stores the planner's
+peak and step time before each job; planner_accuracy.py its predicted peaks), never re-planned by
+today's planner, whose model may since have been fitted to that very run: '-' where a record
+holds no prediction. Today's planner only fills in what was not measured (the scaling table's
+4 and 8 GPUs, its efficiency from planned figures, the plot's dashed lines).
+
     python benchmarks/report.py
     python benchmarks/report.py --results /tmp/results --dry-run   # print the tables, write nothing
 """
@@ -51,6 +57,26 @@ def _train_key(r: dict) -> tuple:
     return (r.get("seq_len", 2048), r["checkpointing"], r["micro_batch"])
 
 
+def _versus(record: dict, records: list[dict], is_base: Callable[[dict, dict], bool]) -> str:
+    """Two cells: `record`'s tokens/s and peak against the first record of the same setting
+    (sequence, checkpointing, micro-batch) that `is_base(candidate, record)` picks and that did
+    not fail."""
+    base = next(
+        (
+            b
+            for b in records
+            if is_base(b, record) and _train_key(b) == _train_key(record) and "error" not in b
+        ),
+        None,
+    )
+    if base is None:
+        return "- | -"
+    return (
+        f"{record['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+        f"{record['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x"
+    )
+
+
 def plain_train_run(run: dict) -> bool:
     """A train_step run of the issue-2 comparison: SDPA attention, sequence 2048 only."""
     return run.get("attention", ["sdpa"]) == ["sdpa"] and run.get("seq_lens", [2048]) == [2048]
@@ -85,20 +111,7 @@ def train_step_table(run: dict) -> str:
                 f"| {r['checkpointing']} | {r['micro_batch']} | {name} | error: {r['error'][:80]} | | | | |"
             )
             continue
-        base = next(
-            (
-                b
-                for b in records
-                if b["system"] == "hf" and _train_key(b) == _train_key(r) and "error" not in b
-            ),
-            None,
-        )
-        vs = (
-            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-            f"{r['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x"
-            if base
-            else "- | -"
-        )
+        vs = _versus(r, records, lambda base, r: base["system"] == "hf")
         lines.append(
             f"| {r['checkpointing']} | {r['micro_batch']} | {name} | {r['tokens_per_s']:,.0f} | {r['mfu']:.2f} | "
             f"{_gib(r['peak_allocated_bytes'])} | {vs} |"
@@ -148,23 +161,10 @@ def attention_train_table(run: dict) -> str:
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:80]} | | | | |")
             continue
-        base = next(
-            (
-                b
-                for b in records
-                if b["system"] == r["system"]
-                and r["system"] != "hf"
-                and _attention(b) == "sdpa"
-                and _train_key(b) == _train_key(r)
-                and "error" not in b
-            ),
-            None,
-        )
-        vs = (
-            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-            f"{r['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x"
-            if base
-            else "- | -"
+        vs = _versus(
+            r,
+            records,
+            lambda base, r: base["system"] == r["system"] != "hf" and _attention(base) == "sdpa",
         )
         lines.append(
             f"{head} {r['tokens_per_s']:,.0f} | {r['mfu']:.2f} | {_gib(r['peak_allocated_bytes'])} | {vs} |"
@@ -231,6 +231,19 @@ def _size(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
 
 
+def _check_cell(check: dict | None, *, reference: bool = False) -> str:
+    """memfit's max abs difference to the reference implementation, output / gradients."""
+    if check is None:
+        return ""
+    if "error" in check:
+        return "error"
+    return (
+        f"{check['out_max_abs_diff']:.1e} / {check['grad_max_abs_diff']:.1e}"
+        + (f" vs {check['reference']}" if reference else "")
+        + ("" if check.get("ok") else " **MISMATCH**")
+    )
+
+
 def attention_table(run: dict) -> str:
     """Throughput sweep of benchmarks/attention.py: TFLOP/s per implementation per shape."""
     rows = {
@@ -280,15 +293,7 @@ def attention_table(run: dict) -> str:
 
     for d, n, causal in sorted({k[:3] for k in rows}, key=lambda k: (k[0], not k[2], k[1])):
         memfit = rows.get((d, n, causal, "memfit"))
-        c = checks.get((d, n, causal))
-        if c is None:
-            check = ""
-        elif "error" in c:
-            check = "error"
-        else:
-            check = f"{c['out_max_abs_diff']:.1e} / {c['grad_max_abs_diff']:.1e}" + (
-                "" if c.get("ok") else " **MISMATCH**"
-            )
+        check = _check_cell(checks.get((d, n, causal)))
         cells = [tflops(rows.get((d, n, causal, i))) for i in impls]
         cells += [ratio(memfit, rows.get((d, n, causal, "sdpa-flash")))]
         cells += [ratio(memfit, rows.get((d, n, causal, "flex"))), check]
@@ -372,16 +377,7 @@ def attention_window_table(run: dict) -> str:
             )
         else:
             vs = ""
-        c = checks.get((window, n))
-        if c is None:
-            check = ""
-        elif "error" in c:
-            check = "error"
-        else:
-            check = (
-                f"{c['out_max_abs_diff']:.1e} / {c['grad_max_abs_diff']:.1e} vs {c['reference']}"
-                + ("" if c.get("ok") else " **MISMATCH**")
-            )
+        check = _check_cell(checks.get((window, n)), reference=True)
         cells = [ms(rows.get((window, n, i))) for i in impls] + [vs, check]
         lines.append(f"| {window} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -415,15 +411,16 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
             ):
                 key = (r["model"], r["system"], r["micro_batch"], r.get("grad_accum", 1))
                 rows[key] = (other, r)
-    runs_of = {id(r): other for other, r in rows.values()}
     runs = {id(other): other for other, _ in rows.values()}.values()
     commits = ", ".join(dict.fromkeys(other["env"]["commit"] for other in runs))
     lines = [
         _env_line(run, f"{gpus} GPU{'s' if gpus != 1 else ''}, seq 2048, bf16 autocast, median "
                   "step after warm-up (counts per run in zero.json); peak = max_memory_allocated "
                   "per rank over the training steps; each row from the newest run that measured "
-                  f"it (commits {commits}); planned: `memfit plan` and its time model now (DDP's "
-                  "step planned as stage 0, FSDP2's as stage 3)."),
+                  f"it (commits {commits}); planned: what `memfit plan` and its time model "
+                  "predicted when the run was made, recorded in zero.json before each job ('-': "
+                  "the record has no prediction; DDP's step planned as stage 0, FSDP2's as "
+                  "stage 3)."),
         "",
         "| model | micro-batch | checkpointing | system | tokens/s per GPU | vs DDP | peak per rank "
         "(GiB) | memfit planned (GiB) | step (s) | planned step (s) |",
@@ -454,37 +451,18 @@ def zero_table(run: dict, *, offload: bool = False) -> str:
         base = ddp.get(setting(r))
         ratio = f"{speed / base:.2f}x" if base else "-"
         peak = max(r["peak_allocated_per_rank"])
-        planned_peak, step = _planned(r, runs_of[id(r)])
-        planned = _gib(planned_peak) if r["system"].startswith("zero") else "-"
+        planned_peak = r.get("planned_peak_bytes")
+        # the planner models memfit's memory, not torch's
+        planned = _gib(planned_peak) if planned_peak and r["system"].startswith("zero") else "-"
+        step = r.get("planned_step_s")
+        planned_step = f"{step:.3f} ({step / r['step_s'] - 1:+.0%})" if step else "-"
         accum = r.get("grad_accum", 1)
         batch = f"{r['micro_batch']}" + (f" x {accum} accumulated" if accum > 1 else "")
         lines.append(
             f"| {r['model']} | {batch} | {r['checkpointing']} | {name} | {speed:,.0f} "
-            f"| {ratio} | {_gib(peak)} | {planned} | {r['step_s']:.3f} | "
-            f"{step:.3f} ({step / r['step_s'] - 1:+.0%}) |"
+            f"| {ratio} | {_gib(peak)} | {planned} | {r['step_s']:.3f} | {planned_step} |"
         )
     return "\n".join(lines)
-
-
-def _planned(record: dict, run: dict) -> tuple[int, float]:
-    """The current planner's peak per rank and step time for a zero.py record of `run`."""
-    from memfit.models.config import load_model_config
-    from memfit.planner import Strategy, get_gpu, plan, step_time
-
-    stage, offload = _zero_benchmark().zero_and_offload(record["system"])
-    strategy = Strategy(
-        micro_batch=record["micro_batch"], seq_len=record["seq_len"],
-        checkpointing=record["checkpointing"], zero=stage, offload=offload,
-        world_size=record["gpus"], grad_accum=record.get("grad_accum", 1),
-    )  # fmt: skip
-    h100 = "H100" in run["env"].get("gpu", "")
-    gpu = get_gpu("h100-sxm" if h100 else "h200")
-    # older records do not say how many cores: the H100 machine has 16, the two-H200 one 32
-    cpus = record.get("host_cpus") or (16 if h100 else 32)
-    model = load_model_config(record["model"])
-    return plan(model, strategy, gpu).peak_bytes, step_time(
-        model, strategy, gpu, host_cpus=cpus
-    ).total_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -497,7 +475,8 @@ SCALING_SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2")
 def scaling_points(runs: list[dict], models: tuple[str, ...]) -> dict:
     """(model, system, gpus) -> {"measured": the newest record with a step time, or None,
     "planned": (tokens/s per GPU, peak bytes per rank, fits) from the current planner, on the
-    GPU the runs measured}."""
+    GPU the runs measured}. "planned" fills what was not measured (4 and 8 GPUs so far); a
+    measured point is shown against the prediction its record holds (`recorded_tokens_per_s`)."""
     from memfit.models.config import load_model_config
     from memfit.planner import Strategy, get_gpu, plan, step_time
 
@@ -544,6 +523,15 @@ def _zero_benchmark():
     return zero
 
 
+def recorded_tokens_per_s(record: dict) -> float | None:
+    """Tokens/s per GPU that the time model predicted for a zero.py record when the run was made
+    (its `planned_step_s`), or None where the record holds no prediction."""
+    step = record.get("planned_step_s")
+    if not step:
+        return None
+    return record["micro_batch"] * record["seq_len"] * record.get("grad_accum", 1) / step
+
+
 def _efficiency(points: dict, model: str, system: str, n: int) -> str:
     """Tokens/s per GPU at n GPUs against 2: measured against measured, else planned against
     planned (never one against the other)."""
@@ -565,9 +553,10 @@ def scaling_table(run: dict) -> str:
     commits = [r["env"]["commit"] for r in runs if "H100" not in r["env"].get("gpu", "")]
     lines = [
         f"Tokens/s per GPU on H200s, seq 2048, micro-batch 2, full checkpointing. Measured: "
-        f"**bold** (planner's figure in brackets; newest run of each setting, up to commit "
-        f"{commits[-1]}, {dates[-1]}). Not measured: the planner's figure in italics; \u2717: "
-        "the planner puts it over the GPU's memory. Efficiency: tokens/s per GPU against 2 GPUs, "
+        f"**bold** (in brackets the time model's prediction recorded with the run, '-' where the "
+        f"record has none; newest run of each setting, up to commit {commits[-1]}, "
+        f"{dates[-1]}). Not measured: today's planner's figure in italics; \u2717: the planner "
+        "puts it over the GPU's memory. Efficiency: tokens/s per GPU against 2 GPUs, "
         "measured against measured (bold) or planned against planned (italics). DDP's and "
         "FSDP2's speeds are planned as memfit's stage 0 and 3.",
         "",
@@ -586,7 +575,11 @@ def scaling_table(run: dict) -> str:
                 speed, peak, fits = point["planned"]
                 measured = point["measured"]
                 if measured:
-                    cells.append(f"**{measured['tokens_per_s_per_gpu']:,.0f}** ({speed:,.0f})")
+                    recorded = recorded_tokens_per_s(measured)
+                    cells.append(
+                        f"**{measured['tokens_per_s_per_gpu']:,.0f}** "
+                        + (f"({recorded:,.0f})" if recorded else "(-)")
+                    )
                 elif fits:
                     cells.append(f"*{speed:,.0f}*")
                 else:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import harness
 import torch
-from harness import append_results, environment, percentiles, time_steps
+from harness import append_results, environment, percentiles, time_calls
 from rich.console import Console
 from rich.table import Table
 
@@ -93,8 +93,11 @@ def bench_memfit(
             trainer.model_config.vocab_size, micro_batch, seed=0, seq_len=seq_len
         )
         losses = []
-        times = time_steps(
-            lambda: losses.append(trainer.train_step().loss), warmup=warmup, repeat=repeat
+        times = time_calls(
+            lambda: losses.append(trainer.train_step().loss),
+            warmup=warmup,
+            repeat=repeat,
+            clock="wall",
         )
         peak = torch.cuda.max_memory_allocated()
     return {"times": times, "peak_bytes": peak, "final_loss": losses[-1], "compiled": compiled}
@@ -142,7 +145,7 @@ def bench_hf(
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
 
-    times = time_steps(step, warmup=warmup, repeat=repeat)
+    times = time_calls(step, warmup=warmup, repeat=repeat, clock="wall")
     peak = torch.cuda.max_memory_allocated()
     return {"times": times, "peak_bytes": peak, "final_loss": losses[-1]}
 

@@ -12,9 +12,12 @@ bf16 autocast over fp32 master weights, fused AdamW, blocks compiled unless chec
 is torch DistributedDataParallel around the same model, same autocast, same optimizer; `fsdp2`
 is torch's `fully_shard` per transformer block and on the root, bf16 parameters and fp32
 gradient reduction (the settings of ../shared/ANCHORS.md). Recorded per run: tokens/s per GPU
-(median step after warm-up), peak allocated bytes per rank over the training steps (the peak
-statistics are reset once the model and optimizer are built, for every system), and the planner's
-peak per rank and step time for the same strategy (DDP planned as ZeRO-0, FSDP2 as ZeRO-3).
+(median step after warm-up, every system timed by the harness's wall clock around its whole
+step), peak allocated bytes per rank over the training steps (the peak statistics are reset once
+the model and optimizer are built, for every system), and the planner's peak per rank, host
+memory and step time for the same strategy, predicted before the job runs (`planned_peak_bytes`,
+`planned_host_bytes`, `planned_step_s`; DDP planned as ZeRO-0, FSDP2 as ZeRO-3): report.py shows
+these, never a later planner's figures.
 A job the planner puts over the GPU's memory (or, offloaded, over the host's) is not launched: its
 record says why. Results: benchmarks/results/zero.json (`--out DIR` elsewhere).
 
@@ -30,7 +33,6 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,11 +120,10 @@ def _memfit_worker(args, preset: str, system: str, run_dir: str) -> tuple[list[f
     )
     trainer = Trainer(config)
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.warmup + args.repeat):
-        metrics = trainer.train_step()
-        times.append(metrics.step_time_s)
-    return times[args.warmup :], micro_batch * args.seq_len * grad_accum
+    times = harness.time_calls(
+        trainer.train_step, warmup=args.warmup, repeat=args.repeat, clock="wall"
+    )
+    return times, micro_batch * args.seq_len * grad_accum
 
 
 def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
@@ -159,9 +160,7 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
     generator = torch.Generator(device=device).manual_seed(dist.get_rank())
     vocab = model_config.vocab_size
 
-    def step() -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    def step() -> None:
         for index in range(grad_accum):
             tokens = torch.randint(
                 0, vocab, (micro_batch, args.seq_len + 1), device=device, generator=generator
@@ -178,12 +177,10 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
 
     torch.cuda.reset_peak_memory_stats()
-    times = [step() for _ in range(args.warmup + args.repeat)]
-    return times[args.warmup :], micro_batch * args.seq_len * grad_accum
+    times = harness.time_calls(step, warmup=args.warmup, repeat=args.repeat, clock="wall")
+    return times, micro_batch * args.seq_len * grad_accum
 
 
 def worker(args) -> None:
@@ -217,7 +214,7 @@ def _work(args, preset: str, system: str, result_path: str, run_dir: str) -> Non
     peaks: list = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)
     if dist.get_rank() == 0:
-        step_s = statistics.median(times)
+        step_s = harness.median(times)
         record = {
             "model": preset, "system": system, "gpus": dist.get_world_size(),
             "seq_len": args.seq_len, "step_s": step_s, "step_times_s": times,

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real imports stay lazy: `import memfit` loads neither torch nor triton
+    from memfit.models.config import ModelConfig
+    from memfit.planner import GPU, MemoryPlan, Strategy
+
 __version__ = "0.1.0"
 
 
-def plan(model, strategy=None, gpu=None, **strategy_options):
+def plan(
+    model: str | ModelConfig,
+    strategy: Strategy | None = None,
+    gpu: str | GPU | None = None,
+    **strategy_options: Any,
+) -> MemoryPlan:
     """Predicted per-GPU memory of training `model` (a preset name, a HF config.json path or a
     ModelConfig) with `strategy` (a `memfit.planner.Strategy`, or its fields as keywords) on `gpu`
     (a catalog name such as "h100-sxm", a `GPU`, or None for no capacity check).
@@ -20,7 +31,9 @@ def plan(model, strategy=None, gpu=None, **strategy_options):
     return _plan(model, strategy, gpu)
 
 
-def recommend(model, gpu="h100-sxm", **options):
+def recommend(
+    model: str | ModelConfig, gpu: str | GPU = "h100-sxm", **options: Any
+) -> list[Strategy]:
     """Strategies (`memfit.planner.Strategy`) that fit `gpu`, fastest predicted first; options as
     for `memfit.planner.rank_strategies` (seq_len, tokens_per_step, optimizer, limit)."""
     from memfit.models.config import ModelConfig, load_model_config
@@ -31,7 +44,7 @@ def recommend(model, gpu="h100-sxm", **options):
     return _recommend(model, get_gpu(gpu) if isinstance(gpu, str) else gpu, **options)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # memfit.flash_attention / memfit.flash_attention_varlen, imported on first use (triton is
     # slow to import and `memfit plan` never needs it)
     if name in ("flash_attention", "flash_attention_varlen"):

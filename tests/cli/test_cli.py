@@ -124,6 +124,17 @@ def test_plan_recommend(capsys):
     assert "fits" in capsys.readouterr().out
 
 
+def test_plan_recommend_on_several_gpus_points_at_zero(capsys):
+    """--recommend searches single-GPU strategies; for N GPUs it says how to plan a ZeRO run
+    (which the engine has), not that ZeRO is missing."""
+    assert main(["plan", "--model", "llama-1b", "--recommend", "--gpus", "4"]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "single-GPU strategies" in err and "memfit plan --gpus 4 --zero" in err
+    assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--zero", "3", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["fits"] and planned["step_time"]["communication_s"] > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU --auto has a GPU to plan for")
 def test_train_auto_without_a_known_gpu_says_so(capsys):
     assert main(["train", "--auto", "--steps", "1", "--device", "cpu"]) == 2

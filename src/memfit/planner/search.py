@@ -3,8 +3,10 @@ a safety margin, rank them by predicted tokens/s.
 
 Enumerated: precision (bf16; fp16 where the GPU lacks bf16 is not in the catalog), activation
 checkpointing none / selective / full, micro-batch 1, 2, 4, ... 64, with gradient accumulation
-so that a step holds about `tokens_per_step` tokens. Single-GPU strategies only: the engine has no
-ZeRO sharding yet (DESIGN.md, issue 5), so `gpus > 1` is refused rather than planned blindly.
+so that a step holds about `tokens_per_step` tokens. Single-GPU strategies only: the engine runs
+ZeRO stages 0-3 and offload on several GPUs (torchrun), but the search does not enumerate them
+yet, so `gpus > 1` is refused rather than answered with single-GPU strategies; `memfit plan
+--gpus N --zero S [--offload ...]` plans one such strategy.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def rank_strategies(
     """Strategies that fit `gpu` with the safety margin, fastest first (at most `limit`)."""
     if gpus != 1:
         raise ValueError(
-            f"--gpus {gpus}: memfit's engine trains on one GPU until ZeRO sharding lands; "
-            "recommendations for several GPUs come with it"
+            f"--gpus {gpus}: --recommend searches single-GPU strategies only (micro-batch, "
+            "accumulation, checkpointing), not ZeRO stages or offload; plan a data-parallel run "
+            f"with `memfit plan --gpus {gpus} --zero S [--offload optimizer|params]` instead"
         )
     if seq_len > model.max_seq_len:
         raise ValueError(
