@@ -131,8 +131,8 @@ def _torch_worker(args, preset: str, system: str) -> tuple[list[float], int]:
 
     from memfit.models.config import load_model_config
     from memfit.models.llama import build_model
+    from memfit.optim import parameter_groups
     from memfit.train.checkpointing import apply_activation_checkpointing
-    from memfit.train.optim import parameter_groups
 
     micro_batch, checkpointing, grad_accum = shape(args, preset)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

@@ -82,7 +82,7 @@ class DataSection(_Section):
 
 @dataclass(kw_only=True)
 class TrainSection(_Section):
-    steps: int = 400
+    steps: int = 200
     micro_batch: int = 8
     grad_accum: int = 1
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

@@ -1,4 +1,5 @@
-"""`memfit` command line: parse, call the library, print. Subcommands: train, generate."""
+"""`memfit` command line: parse, call the library, print. Subcommands: train, plan, profile,
+generate."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train a model (default: preset tiny on the built-in synthetic corpus)",
-        description="Train a Llama-family model on one device. Every flag is also settable as "
+        description="Train a Llama-family model on the present device (data-parallel with --zero under "
+        "torchrun, --offload to CPU memory). Every flag is also settable as "
         "--set section.key=value and from --config file.toml (flags override the file, --set overrides both).",
     )
     _add_run_flags(p)

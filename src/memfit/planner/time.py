@@ -12,7 +12,9 @@
 
 Training FLOPs per token are 6 per parameter plus causal attention (ModelConfig.flops_per_token).
 Fitted to memfit's own runs (benchmarks/results: train_step.json on an H100, zero.json on H100
-and H200 at 1 and 2 GPUs, llama-1b to llama-2-13b), and measured apart where a rate can be
+and H200 at 1 and 2 GPUs, llama-1b to llama-2-13b, the runs up to commit 56557b1, plus ab6e1a6
+and e1aeb55 for the CPU rate; later runs, a207e91's accumulation and c920c3d's parameter
+offload, are held out and tested against it), and measured apart where a rate can be
 (bandwidth.json):
 - efficiency 0.76 x h / (h + 600): 0.59 of the dense rate for llama-1b (h 2048), 0.66 for
   llama-2-7b (4096), 0.68 for llama-2-13b (5120). fp32 runs on the non-tensor-core rate, about
