@@ -304,7 +304,7 @@ def test_preflight_refuses_what_cannot_fit_and_says_what_would():
 
     import memfit.planner as planner
     from memfit.models.config import load_model_config
-    from memfit.train.engine import PREFLIGHT_REFUSE, preflight
+    from memfit.planner.advice import PREFLIGHT_REFUSE, preflight
 
     model = load_model_config("llama-2-7b")
     strategy = planner.Strategy(precision="bf16", micro_batch=2, seq_len=2048, zero=3, world_size=2)
