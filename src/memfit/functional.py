@@ -5,6 +5,7 @@ Shapes follow the contract of DESIGN.md: attention takes (batch, seqlen, heads, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_varlen",
     "linear_cross_entropy",
+    "register_attention_backend",
     "resolve_attention",
     "rms_norm",
     "rotary_cos_sin",
@@ -82,6 +84,21 @@ def _flash_unavailable(device: torch.device, precision: str, head_dim: int | Non
     return None
 
 
+AttentionKernel = Callable[..., Tensor]
+"""kernel(q, k, v, *, causal, window, mask) -> out, shapes as in `attention`."""
+
+_ATTENTION_BACKENDS: dict[str, AttentionKernel] = {}
+
+
+def register_attention_backend(name: str, kernel: AttentionKernel) -> None:
+    """Make `kernel` the attention backend `name` (`attention(..., backend=name)`, `memfit train
+    --attention name`): a paged-decode or block-sparse kernel registers itself here, and models,
+    which only name their backend, run it unchanged."""
+    if name in _ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is already registered")
+    _ATTENTION_BACKENDS[name] = kernel
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -89,7 +106,8 @@ def attention(
     *,
     causal: bool = True,
     window: int | None = None,
-    backend: Literal["auto", "flash", "sdpa", "eager"] = "sdpa",
+    backend: str = "sdpa",
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Scaled dot-product attention with grouped key/value heads.
 
@@ -97,40 +115,68 @@ def attention(
     heads_q % heads_kv == 0. Returns (batch, seqlen_q, heads_q, head_dim).
     The causal mask is aligned bottom-right: query i sees keys up to i + seqlen_k - seqlen_q (so a
     decode step with a cache sees every cached key). `window`, if set, also hides keys more than
-    `window - 1` positions behind the query (Mistral's sliding window).
-    backend: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa (torch's fused
-    attention), eager (materializes the scores; a reference), or auto (`resolve_attention`).
+    `window - 1` positions behind the query (Mistral's sliding window). `mask` (broadcastable to
+    (batch, 1, seqlen_q, seqlen_k), bool, True where allowed) replaces both: a static KV cache's
+    mask (AttentionMetadata.cached); the flash backend takes no mask and hands such calls to sdpa.
+    backend: a registered name: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa
+    (torch's fused attention), eager (materializes the scores; a reference), or auto
+    (`resolve_attention`).
     """
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_q % heads_kv != 0:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
     if backend == "auto":
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "fp32")
         backend = resolve_attention(
-            "auto", q.device, precision=precision, head_dim=head_dim, window=window
+            "auto", q.device, precision=precision, head_dim=q.shape[3], window=window
         )
-    if backend == "flash":
-        # Mistral's window W hides keys W or more positions back: (left, right) = (W - 1, 0)
-        flash_window = (window - 1, 0) if window is not None else None
-        return flash_attention(q, k, v, causal=causal, window=flash_window)
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    if heads_q % heads_kv != 0:
-        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
-    mask = _mask(seqlen_q, seqlen_k, causal, window, q.device)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
-    if backend == "eager":
-        out = _eager_attention(q, k, v, mask, causal)
-    else:
-        gqa = {"enable_gqa": True} if heads_kv != heads_q else {}
-        if gqa and q.is_cuda and q.dtype == torch.float32:
-            # No fused CUDA kernel takes fp32 with enable_gqa: SDPA would fall back to its math
-            # path, which keeps the (T, T) probabilities. Repeat k and v and stay fused instead.
-            group = heads_q // heads_kv
-            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+    if mask is not None and backend == "flash":
+        backend = "sdpa"
+    if backend not in _ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {backend!r}; registered: {', '.join(_ATTENTION_BACKENDS)}"
+        )
+    return _ATTENTION_BACKENDS[backend](q, k, v, causal=causal, window=window, mask=mask)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Tensor:
+    # Mistral's window W hides keys W or more positions back: (left, right) = (W - 1, 0)
+    flash_window = (window - 1, 0) if window is not None else None
+    return flash_attention(q, k, v, causal=causal, window=flash_window)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Tensor:
+    seqlen_q, seqlen_k, heads_q, heads_kv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if mask is None:
+        mask = _mask(seqlen_q, seqlen_k, causal, window, q.device)
         is_causal = mask is None and causal and seqlen_q > 1
         if is_causal and seqlen_q != seqlen_k:  # SDPA aligns is_causal top-left
             mask = _mask(seqlen_q, seqlen_k, True, None, q.device, force=True)
             is_causal = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
+    else:
+        is_causal = False
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+    gqa = {"enable_gqa": True} if heads_kv != heads_q else {}
+    if gqa and q.is_cuda and q.dtype == torch.float32:
+        # No fused CUDA kernel takes fp32 with enable_gqa: SDPA would fall back to its math
+        # path, which keeps the (T, T) probabilities. Repeat k and v and stay fused instead.
+        group = heads_q // heads_kv
+        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
     return out.transpose(1, 2)  # (B, T, nh, hs)
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Tensor:
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    if mask is None:
+        mask = _mask(seqlen_q, seqlen_k, causal, window, q.device)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+    return _eager_attention(q, k, v, mask, causal).transpose(1, 2)
+
+
+register_attention_backend("flash", _flash)
+register_attention_backend("sdpa", _sdpa)
+register_attention_backend("eager", _eager)
 
 
 def _mask(

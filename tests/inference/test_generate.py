@@ -6,8 +6,11 @@ from memfit.inference.kv_cache import KVCache
 from memfit.models import PRESETS, build_model
 
 
-def test_cached_decoding_matches_full_recompute():
-    config = PRESETS["tiny"]
+@pytest.mark.parametrize("window", [None, 6])
+def test_cached_decoding_matches_full_recompute(window):
+    """Greedy decoding through the static cache (GQA: tiny has 4 query heads, 2 key/value heads;
+    a sliding window shorter than the sequence) equals rerunning the whole sequence per token."""
+    config = PRESETS["tiny"].replace(sliding_window=window)
     model = build_model(config, seed=0).eval()
     prompt = torch.randint(0, config.vocab_size, (3, 11))
     result = generate(model, prompt, max_new_tokens=9, temperature=0.0)
@@ -30,6 +33,42 @@ def test_kv_cache_logits_match_uncached_forward():
         first = model(tokens[:, :9], kv_cache=cache, start_pos=0)
         rest = model(tokens[:, 9:], kv_cache=cache, start_pos=9)  # a chunked prefill
     torch.testing.assert_close(torch.cat([first, rest], dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_does_not_sync_the_host_every_step(monkeypatch):
+    """New tokens stay on the device: one read at the end, and an all-rows-stopped check every
+    EOS_CHECK_EVERY steps; decode steps have the same shapes (a static cache and mask)."""
+    from memfit.inference import generate as generate_module
+
+    config = PRESETS["tiny"]
+    model = build_model(config, seed=0).eval()
+    prompt = torch.randint(0, config.vocab_size, (2, 5))
+    calls = {"tolist": 0, "item": 0, "bool": 0}
+    for name, attribute in (("tolist", "tolist"), ("item", "item"), ("bool", "__bool__")):
+        original = getattr(torch.Tensor, attribute)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, attribute, counted)
+    shapes = set()
+    forward = model.forward
+    monkeypatch.setattr(
+        model,
+        "forward",
+        lambda tokens, *a, **k: (
+            shapes.add((tuple(tokens.shape), k["kv_cache"] is not None)) or forward(tokens, *a, **k)
+        ),
+    )
+    steps = 40
+    result = generate(
+        model, prompt, max_new_tokens=steps, temperature=0.0, eos_id=config.vocab_size
+    )
+    assert all(len(row) == steps for row in result.tokens)
+    assert calls["tolist"] == 1 and calls["item"] == 0
+    assert calls["bool"] <= (steps - 1) // generate_module.EOS_CHECK_EVERY
+    assert shapes == {((2, 5), True), ((2, 1), True)}  # the prefill, then one decode shape
 
 
 def test_eos_stops_a_row():

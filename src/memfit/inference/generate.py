@@ -48,11 +48,17 @@ class Generation:
     tokens: list[list[int]]  # new tokens per batch row
     prefill_s: float
     decode_s: float
+    decode_steps: int = 0
+    """Decode steps run (each one token for every row; the prefill made the first token)."""
 
     @property
     def decode_tokens_per_s(self) -> float:
-        steps = max(len(t) for t in self.tokens) - 1 if self.tokens else 0
-        return steps * len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+        tokens = self.decode_steps * len(self.tokens)
+        return tokens / self.decode_s if self.decode_s > 0 and tokens > 0 else 0.0
+
+
+# decode steps between host checks of whether every row has stopped (the loop itself never syncs)
+EOS_CHECK_EVERY = 16
 
 
 @torch.inference_mode()
@@ -67,11 +73,19 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
 ) -> Generation:
-    """Continue `prompt` (batch, prompt_len) of token ids. Rows stop at `eos_id` (not returned)."""
+    """Continue `prompt` (batch, prompt_len) of token ids. Rows stop at `eos_id` (not returned).
+
+    The prefill writes the prompt's keys and values into a static cache and computes the logits
+    of its last position only; each decode step then runs one token per row at a position held in
+    a device tensor, with the same shapes every step. New tokens stay on the device: the host
+    reads them once at the end, and checks whether every row has stopped every
+    `EOS_CHECK_EVERY` steps."""
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(
             f"prompt must be (batch, prompt_len >= 1) token ids, got shape {tuple(prompt.shape)}"
         )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = prompt.device
     batch, prompt_len = prompt.shape
     total = prompt_len + max_new_tokens
@@ -84,26 +98,37 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    def pick(logits: Tensor) -> Tensor:
+        return sample(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+
     start = time.perf_counter()
-    logits = model(prompt, kv_cache=cache, start_pos=0)[:, -1]
-    token = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    logits = model(prompt, kv_cache=cache, last_only=True)[:, -1]  # (B, vocab)
+    token = pick(logits)
     sync()
     prefill_s = time.perf_counter() - start
 
-    out = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    new = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
+    new[:, 0] = token
+    done = token == eos_id if eos_id is not None else None
+    positions = torch.full((1,), prompt_len, dtype=torch.long, device=device)
+    steps = 1
     start = time.perf_counter()
-    for position in range(prompt_len, total):
-        for row, (t, finished) in enumerate(zip(token.tolist(), done.tolist(), strict=True)):
-            if not finished and t != eos_id:
-                out[row].append(t)
-        if eos_id is not None:
-            done |= token == eos_id
-        if bool(done.all()) or position == total - 1:
+    while steps < max_new_tokens:
+        if done is not None and steps % EOS_CHECK_EVERY == 0 and bool(done.all()):
             break
-        logits = model(token[:, None], kv_cache=cache, start_pos=position)[:, -1]
-        token = sample(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )
+        metadata = cache.metadata(positions)
+        logits = model(token[:, None], metadata=metadata, kv_cache=cache)[:, -1]
+        token = pick(logits)
+        new[:, steps] = token
+        if done is not None:
+            done |= token == eos_id
+        positions += 1
+        steps += 1
+    out = new[:, :steps].tolist()  # the one read of the tokens
     sync()
-    return Generation(tokens=out, prefill_s=prefill_s, decode_s=time.perf_counter() - start)
+    decode_s = time.perf_counter() - start
+    if eos_id is not None:
+        out = [row[: row.index(eos_id)] if eos_id in row else row for row in out]
+    return Generation(tokens=out, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps - 1)

@@ -1,6 +1,9 @@
-"""A plain contiguous KV cache: one preallocated (batch, max_seq_len, kv_heads, head_dim) buffer
-per layer for keys and one for values (gpt-fast style: static shapes, no reallocation while
-decoding). The paged cache with continuous batching replaces it for serving."""
+"""A static KV cache: one preallocated (batch, max_seq_len, kv_heads, head_dim) buffer per layer
+for keys and one for values, slot p holding position p (gpt-fast's pattern). Writes go to the
+positions of `AttentionMetadata.positions` (a tensor: no host sync) and attention reads the whole
+buffer under a mask of the valid slots, so every decode step has the same shapes and can be
+compiled or captured in a CUDA graph. The paged cache with continuous batching replaces it for
+serving (blocks found through a block table instead of one slot per position)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 from torch import Tensor
 
 from memfit.models.config import ModelConfig
+from memfit.nn.attention import AttentionMetadata
 
 
 class KVCache:
@@ -24,19 +28,22 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
+        self.window = config.sliding_window
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (batch, seqlen, kv_heads, head_dim) at positions start_pos.. and return the
-        keys and values of positions 0 .. start_pos + seqlen."""
-        end = start_pos + k.shape[1]
-        if end > self.max_seq_len:
-            raise ValueError(
-                f"KV cache holds {self.max_seq_len} positions; asked to write up to {end}"
-            )
-        self.keys[layer, :, start_pos:end] = k
-        self.values[layer, :, start_pos:end] = v
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+    def metadata(self, positions: Tensor) -> AttentionMetadata:
+        """Queries at `positions` (seqlen,) reading this cache: the mask of the slots each may
+        see (causal, within the sliding window)."""
+        return AttentionMetadata.cached(positions, self.max_seq_len, self.window)
+
+    def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (batch, seqlen, kv_heads, head_dim) into the slots of `positions`
+        (seqlen,) and return layer `layer`'s whole key and value buffers (batch, max_seq_len,
+        kv_heads, head_dim)."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(1, positions, k.to(keys.dtype))
+        values.index_copy_(1, positions, v.to(values.dtype))
+        return keys, values

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,8 @@ class ModelConfig:
     """
 
     name: str = "custom"
+    family: str = "llama"
+    """The model family (memfit.models.FAMILIES): its model, spec and state-dict adapter."""
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -80,23 +81,20 @@ class ModelConfig:
                 )
 
     @property
+    def spec(self):
+        """The family's spec (parameters, FLOPs, activation bytes), which the planner reads."""
+        from memfit.models import get_family
+
+        return get_family(self.family).spec(self)
+
+    @property
     def num_params(self) -> int:
         """Exact parameter count (embeddings included, tied ones counted once)."""
-        h, d = self.hidden_size, self.head_dim
-        q = self.num_heads * d
-        kv = self.num_kv_heads * d
-        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attention + mlp + 2 * h
-        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h
+        return self.spec.num_params
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
-        """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
-        score and value products, 12 * layers * heads * head_dim * seq_len, halved when causal
-        (the convention of ANCHORS.md and PaLM, Chowdhery et al. 2022, appendix B)."""
-        attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-        return 6 * self.num_params + attention * (0.5 if causal else 1.0)
+        """Training FLOPs per token (the family's spec)."""
+        return self.spec.flops_per_token(seq_len, causal=causal)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -288,11 +286,3 @@ def format_params(count: int) -> str:
     if count >= 1e6:
         return f"{count / 1e6:.1f}M"
     return f"{count / 1e3:.1f}K" if count >= 1e3 else str(count)
-
-
-def _check_presets() -> None:
-    # llama-1b is the anchor shape: its count is a contract (DESIGN.md).
-    assert math.isclose(PRESETS["llama-1b"].num_params / 1e6, 953.2, abs_tol=0.05)
-
-
-_check_presets()

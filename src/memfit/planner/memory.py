@@ -176,44 +176,19 @@ class MemoryPlan:
 
 
 def _sizes(model: ModelConfig) -> dict[str, int]:
-    h, d = model.hidden_size, model.head_dim
-    q, kv = model.num_heads * d, model.num_kv_heads * d
-    per_layer_matmul = h * (q + 2 * kv) + q * h + 3 * h * model.intermediate_size
-    return {
-        "h": h,
-        "q": q,
-        "kv": kv,
-        "f": model.intermediate_size,
-        "V": model.vocab_size,
-        "H": model.num_heads,
-        "L": model.num_layers,
-        "P": model.num_params,
-        "P_layer": per_layer_matmul + (q + 2 * kv if model.qkv_bias else 0) + 2 * h,
-        "P_matmul_layer": per_layer_matmul,
-    }
+    """The model family's sizes (models/<family>/spec.py)."""
+    return model.spec.sizes
 
 
 def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | None = None) -> int:
-    """Bytes one block keeps for backward after its forward (per micro-batch)."""
-    s = _sizes(model)
-    c = 4 if strategy.precision == "fp32" else 2
-    T = strategy.micro_batch * strategy.seq_len
-    mode = mode or strategy.checkpointing
-    if mode == "full":
-        return c * T * s["h"]
-    if mode == "selective" and strategy.attention != "eager":
-        return c * T * (s["h"] + s["q"]) + 4 * T * s["H"]
-    total = c * T * (4 * s["h"] + 2 * s["q"] + 2 * s["kv"] + 3 * s["f"]) + 4 * T * (2 + s["H"])
-    if s["q"] != s["kv"] and strategy.precision == "fp32" and strategy.attention == "sdpa":
-        # grouped k and v are repeated per query head before the fused fp32 kernel (functional.py)
-        total += 2 * c * T * (s["q"] - s["kv"])
-    if strategy.attention == "eager":
-        # fp32 scores -> probabilities (kept by softmax) and their compute-dtype copy (kept by the
-        # second matmul); k and v repeated per query head when grouped
-        total += T * s["H"] * strategy.seq_len * (4 + c)
-        if s["q"] != s["kv"]:
-            total += 2 * c * T * s["q"]
-    return total
+    """Bytes one block keeps for backward after its forward (per micro-batch): the family's spec."""
+    return model.spec.layer_activation_bytes(
+        tokens=strategy.micro_batch * strategy.seq_len,
+        seq_len=strategy.seq_len,
+        precision=strategy.precision,
+        checkpointing=mode or strategy.checkpointing,
+        attention=strategy.attention,
+    )
 
 
 def _cross_entropy(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:

@@ -133,9 +133,8 @@ def step_time(
 
     # the blocks' forward is recomputed (not the embedding or the loss): 2 FLOPs per block
     # parameter plus attention's score and value products, which selective keeps instead
-    embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2)
-    attention_forward = 2 * model.num_layers * model.num_heads * model.head_dim * strategy.seq_len
-    forward_per_token = 2 * (P - embeddings) + attention_forward
+    attention_forward = model.spec.attention_forward_flops(strategy.seq_len)
+    forward_per_token = model.spec.block_forward_flops(strategy.seq_len)
     if strategy.checkpointing == "full":
         recompute = tokens * forward_per_token / rate
     elif strategy.checkpointing == "selective":

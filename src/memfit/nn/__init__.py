@@ -1,0 +1,8 @@
+"""Modules that own parameters. They call `memfit.functional`, never an op directly; models in
+`memfit.models` compose them."""
+
+from memfit.nn.attention import Attention, AttentionMetadata
+from memfit.nn.mlp import SwiGLUMLP
+from memfit.nn.norm import RMSNorm
+
+__all__ = ["Attention", "AttentionMetadata", "RMSNorm", "SwiGLUMLP"]

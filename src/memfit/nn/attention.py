@@ -1,0 +1,127 @@
+"""Grouped-query self-attention with rotary positions, its backend chosen by name and fed an
+`AttentionMetadata`, so that new kernels (paged decode, block-sparse) plug in without touching
+models.
+
+    x -> qkv -> q, k, v -> RoPE(q, k) at metadata.positions -> [cache write] -> attention -> out
+
+Training runs with the metadata of whole causal sequences (positions 0..T-1, no mask): the
+backend takes its mask-free causal path. Inference with a static KV cache (memfit.inference)
+writes k and v at `positions` into preallocated buffers and attends over the whole buffer under
+`key_mask` (the keys at positions <= the query's, within the sliding window): shapes do not
+change from one decode step to the next, so a step can be compiled or captured in a CUDA graph
+(gpt-fast's pattern). A prefill from position 0 attends over its own tokens with the plain causal
+path and only writes the cache.
+
+Tensor parallelism (later): q, k and v come from one fused projection `qkv` (rows q | k | v).
+Each shard must hold whole heads of each; the fused weight is then interleaved per shard (shard i
+holds [q_i | k_i | v_i], heads_q / tp query heads and heads_kv / tp key/value heads), a
+permutation the state-dict adapter applies on load, so the forward below runs unchanged on a
+shard with its own head counts. Interleaving keeps one matrix product per layer; unfusing would
+cost two more launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from memfit import functional as MF
+
+
+@dataclass
+class AttentionMetadata:
+    """What every attention layer of one forward needs to know about the tokens it sees.
+
+    positions: (seqlen,) LongTensor, the position of each query token (RoPE and the cache write;
+        the rows of a batch share them: generate keeps its prompts aligned).
+    key_mask: (1 or batch, 1, seqlen, cache_len) bool, True where a query may see a cached key;
+        None: plain causal attention over the tokens themselves (training, a prefill from 0).
+    cu_seqlens, max_seqlen: packed variable-length sequences (cumulative lengths, int32), for the
+        varlen flash kernel; None for padded batches.
+    block_table, slot_mapping: a paged KV cache's per-sequence block table (batch, max_blocks)
+        and each new token's slot in the block pool (tokens,); None for the static cache.
+    """
+
+    positions: Tensor
+    key_mask: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int | None = None
+    block_table: Tensor | None = None
+    slot_mapping: Tensor | None = None
+
+    @classmethod
+    def causal(cls, seqlen: int, device: torch.device | str, start: int = 0) -> AttentionMetadata:
+        """Whole causal sequences at positions start .. start + seqlen - 1 (no cache read)."""
+        return cls(positions=torch.arange(start, start + seqlen, device=device))
+
+    @classmethod
+    def cached(
+        cls, positions: Tensor, cache_len: int, window: int | None = None
+    ) -> AttentionMetadata:
+        """Queries at `positions` over a static cache of `cache_len` slots, slot p holding
+        position p: query i sees the slots at positions <= positions[i] (and > positions[i] -
+        window with a sliding window). Built from tensors only: no host sync."""
+        key_positions = torch.arange(cache_len, device=positions.device)
+        mask = key_positions[None, :] <= positions[:, None]  # (seqlen, cache_len)
+        if window is not None:
+            mask &= key_positions[None, :] > positions[:, None] - window
+        return cls(positions=positions, key_mask=mask[None, None])
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        layer_index: int,
+        backend: str = "sdpa",
+        bias: bool = False,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.window = window
+        self.backend = backend
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.out = nn.Linear(q_size, hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        metadata: AttentionMetadata | None = None,
+        kv_cache=None,
+    ) -> Tensor:
+        """x: (batch, seqlen, hidden); cos, sin: (seqlen, head_dim / 2) at the tokens' positions
+        (computed once per forward by the model); kv_cache: a cache with
+        `update(layer, positions, k, v) -> (keys, values)` (memfit.inference.KVCache)."""
+        batch, seqlen, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, (nh + 2 * nkv) * hs)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(batch, seqlen, self.num_heads, self.head_dim)  # (B, T, nh, hs)
+        k = k.view(batch, seqlen, self.num_kv_heads, self.head_dim)  # (B, T, nkv, hs)
+        # v is a view into qkv: copying it lets the (T, q + 2kv) projection output be freed
+        # after RoPE instead of being kept alive for backward by the attention kernel.
+        v = v.reshape(batch, seqlen, self.num_kv_heads, self.head_dim).contiguous()
+        q, k = MF.apply_rotary_qk(q, k, cos, sin)  # one kernel for both; no copy of qkv
+        key_mask = None
+        if kv_cache is not None:
+            cached_k, cached_v = kv_cache.update(self.layer_index, metadata.positions, k, v)
+            if metadata.key_mask is not None:  # decode, chunked prefill: read the cache
+                k, v, key_mask = cached_k, cached_v, metadata.key_mask  # (B, S, nkv, hs)
+        y = MF.attention(
+            q, k, v, causal=True, window=self.window, backend=self.backend, mask=key_mask
+        )
+        return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))

@@ -1,0 +1,23 @@
+"""The SwiGLU feed-forward block (Shazeer 2020): down(silu(gate(x)) * up(x)).
+
+gate and up are one fused projection `gate_up` (rows gate | up): one larger matrix product
+instead of two. Under tensor parallelism the fused weight is split per shard by interleaving:
+shard i holds rows [gate_i | up_i], which the state-dict adapter lays out when it loads, so each
+shard's `swiglu` sees its own gate and up halves side by side (unfusing would cost a launch)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch import Tensor
+
+from memfit import functional as MF
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(MF.swiglu(self.gate_up(x)))
