@@ -68,7 +68,7 @@ def memfit_flash_attention() -> Callable:
 
     fn = getattr(memfit, "flash_attention", None)
     if fn is None:
-        from memfit.ops.flash_attention import flash_attention as fn
+        from memfit.ops.attention import flash_attention as fn
     return fn
 
 

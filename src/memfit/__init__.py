@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
     # memfit.flash_attention / memfit.flash_attention_varlen, imported on first use (triton is
     # slow to import and `memfit plan` never needs it)
     if name in ("flash_attention", "flash_attention_varlen"):
-        from memfit.ops import flash_attention as module
+        from memfit.ops import attention as module
 
         return getattr(module, name)
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memfit.ops._triton import HAS_TRITON
-from memfit.ops.cross_entropy import linear_cross_entropy
-from memfit.ops.flash_attention import (
+from memfit.ops.attention import (
     SUPPORTED_HEAD_DIMS,
     flash_attention,
     flash_attention_varlen,
     head_dim_supported,
 )
+from memfit.ops.cross_entropy import linear_cross_entropy
 from memfit.ops.rms_norm import rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
 from memfit.ops.swiglu import swiglu

@@ -6,7 +6,7 @@ import torch
 
 from memfit.models.config import PRESETS
 from memfit.models.llama import build_model
-from memfit.ops.flash_attention import flash_attention
+from memfit.ops.attention import flash_attention
 from tests.ops.flash_cases import (
     check_against_reference,
     check_deterministic,
@@ -54,7 +54,7 @@ def test_varlen_documents_of_very_different_lengths():
 
 def test_backward_is_deterministic():
     q, k, v = make_qkv(2, 2048, 2048, 16, 4, 128, torch.bfloat16, "cuda")
-    check_deterministic(q, k, v, causal=True)
+    check_deterministic(q, k, v, causal=True, reruns=200)
 
 
 def test_non_contiguous_fused_projection_views():

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-import memfit.ops.flash_attention  # noqa: F401  (registers torch.ops.memfit.flash_attn_forward)
+import memfit.ops.attention  # noqa: F401  (registers torch.ops.memfit.flash_attn_forward)
 
 CheckpointingMode = Literal["none", "full", "selective"]
 

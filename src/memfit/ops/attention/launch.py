@@ -1,0 +1,161 @@
+"""Launch configurations (autotuned per head dim on GPUs, fixed small blocks under the
+interpreter) and the launchers of the forward and backward kernels: allocate, grid, launch.
+No validation here: the public functions of `interface.py` validate."""
+
+import torch
+from torch import Tensor
+
+from memfit.ops._triton import interpreter_enabled, launch, triton
+from memfit.ops.attention.backward import _bwd_kernel, _bwd_preprocess_kernel
+from memfit.ops.attention.forward import _fwd_kernel
+from memfit.ops.attention.tiles import NO_LIMIT
+
+LOG2E = 1.4426950408889634
+
+# Autotuner candidates per padded head dim, from sweeps on an H100 (bf16, triton 3.6; BLOCK_M 64
+# with 4 warps won the forward at every length: two programs share an SM and overlap one's softmax
+# with the other's matrix products). Tensor-descriptor (TMA) loads were measured too and lost
+# 3-7% in the forward and tied in the backward, so the kernels use plain pointer loads.
+# Forward: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+_FWD_CONFIGS = {
+    32: [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    64: [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    128: [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2)],
+}
+# Backward: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); dk/dv programs walk
+# query blocks of BLOCK_M1 under a key block of BLOCK_N1, dq programs the converse.
+_BWD_CONFIGS = {
+    32: [(64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 4, 3)],
+    64: [(64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 4, 3)],
+    128: [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 4)],
+    256: [(32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 8, 2), (16, 64, 64, 16, 4, 2)],
+}  # fmt: skip
+_INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16}
+_INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}
+_TUNE_KEY = ["HEAD_DIM", "BLOCK_D", "GROUP", "IS_VARLEN", "REVERSE", "TUNE_N"]
+_tuned: dict[tuple[str, int], object] = {}
+
+
+def _kernel(kind: str, block_d: int):
+    """(kernel, fixed meta-parameters): the autotuned kernel for this padded head dim on GPUs,
+    the plain kernel with small fixed blocks under the interpreter."""
+    if interpreter_enabled():
+        if kind == "fwd":
+            return _fwd_kernel, _INTERPRET_FWD
+        return _bwd_kernel, _INTERPRET_BWD
+    key = (kind, block_d)
+    if key not in _tuned:
+        table = max(block_d, 32)
+        if kind == "fwd":
+            configs = [
+                triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                for m, n, w, s in _FWD_CONFIGS[table]
+            ]
+            _tuned[key] = triton.autotune(configs, key=_TUNE_KEY)(_fwd_kernel)
+        else:
+            configs = [
+                triton.Config(
+                    {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2},
+                    num_warps=w,
+                    num_stages=s,
+                )
+                for m1, n1, m2, n2, w, s in _BWD_CONFIGS[table]
+            ]
+            _tuned[key] = triton.autotune(configs, key=_TUNE_KEY)(_bwd_kernel)
+    return _tuned[key], {}
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (no validation here: the public functions below validate)
+# --------------------------------------------------------------------------------------------
+
+
+def _layout(t: Tensor) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a (batch, seqlen, heads, dim) or packed (tokens, heads, dim)
+    tensor; the batch stride of a packed tensor is 0."""
+    if t.dim() == 4:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return 0, t.stride(0), t.stride(1)
+
+
+def _shape(q: Tensor, k: Tensor, cu_seqlens_q: Tensor | None) -> tuple[int, int, int, int]:
+    """(batch, heads_q, heads_kv, head_dim)."""
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+    return batch, q.shape[-2], k.shape[-2], q.shape[-1]
+
+
+def _tune_n(n: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right, scale):
+    batch, heads, heads_kv, head_dim = _shape(q, k, cu_seqlens_q)
+    varlen = cu_seqlens_q is not None
+    out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    lse_shape = (heads, q.shape[0]) if varlen else (batch, heads, q.shape[1])
+    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return out.zero_(), lse
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    kernel, meta = _kernel("fwd", block_d)
+    stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+    def grid(m):
+        return (triton.cdiv(max_seqlen_q, m["BLOCK_M"]), batch * heads)
+
+    launch(
+        kernel, grid, q.device,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *_layout(q), *_layout(k), *_layout(v), *_layout(out), *stride_lse,
+        max_seqlen_q, max_seqlen_k, left, right, scale * LOG2E, heads,
+        _tune_n(max(max_seqlen_q, max_seqlen_k)),
+        GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
+        REVERSE=right < NO_LIMIT, INTERPRET=interpreter_enabled(), **meta,
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right,
+    scale,
+):  # fmt: skip
+    batch, heads, heads_kv, head_dim = _shape(q, k, cu_seqlens_q)
+    varlen = cu_seqlens_q is not None
+    alloc = torch.zeros if varlen else torch.empty
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    if batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0 or q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    interpret = interpreter_enabled()
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    pre_block = 16 if interpret else 64
+    launch(
+        _bwd_preprocess_kernel, (triton.cdiv(max_seqlen_q, pre_block), batch * heads), q.device,
+        out, dout, lse, delta, lse2, cu_seqlens_q, *_layout(out), *_layout(dout), *stride_lse,
+        max_seqlen_q, heads, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
+        BLOCK_M=pre_block,
+    )  # fmt: skip
+    group = heads // heads_kv
+    kernel, meta = _kernel("bwd", block_d)
+
+    def grid(m):
+        n_blocks = triton.cdiv(max_seqlen_k, m["BLOCK_N1"])
+        return (n_blocks + group * triton.cdiv(max_seqlen_q, m["BLOCK_M2"]), batch * heads_kv)
+
+    launch(
+        kernel, grid, q.device,
+        q, k, v, dout, lse2, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+        *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *_layout(dk),
+        *_layout(dv), *stride_lse,
+        max_seqlen_q, max_seqlen_k, left, right, scale * LOG2E, scale, heads_kv,
+        _tune_n(max(max_seqlen_q, max_seqlen_k)),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
+        REVERSE=right < NO_LIMIT, INTERPRET=interpret, **meta,
+    )  # fmt: skip
+    return dq, dk, dv
