@@ -103,14 +103,7 @@ def saved_tensor_bytes(fn, *args, exclude: tuple[Tensor, ...] = (), **kwargs) ->
 
 
 def attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    softmax_scale: float | None = None,
-    dtype: torch.dtype | None = None,
+    q: Tensor, k: Tensor, v: Tensor, *, causal=False, window=None, softmax_scale=None, dtype=None
 ) -> tuple[Tensor, Tensor]:
     """Attention as plain PyTorch writes it, (out, lse), for (batch, seqlen, heads, dim) inputs.
 

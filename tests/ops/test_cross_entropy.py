@@ -10,24 +10,9 @@ IGNORE = -100
 
 # (rows N, hidden h, vocab V, chunk_size): chunk sizes that do not divide N, a chunk of 1 row,
 # one larger than N, and the default.
-CASES = [
-    (1, 8, 1, None),
-    (17, 48, 37, 5),
-    (17, 130, 37, 1),
-    (97, 130, 1000, 16),
-    (97, 8, 1000, 40),
-    (97, 48, 1000, 200),
-    (97, 48, 37, None),
-]
+CASES = [(1, 8, 1, None), (17, 48, 37, 5), (17, 130, 37, 1), (97, 130, 1000, 16), (97, 8, 1000, 40), (97, 48, 1000, 200), (97, 48, 37, None)]  # fmt: skip
 # Fewer, smaller cases for the kernel: the interpreter runs each row's program in Python.
-KERNEL_CASES = [
-    (1, 8, 1, None),
-    (7, 16, 37, 3),
-    (7, 130, 300, 1),
-    (17, 48, 37, 5),
-    (33, 24, 300, 8),
-    (33, 8, 37, None),
-]
+KERNEL_CASES = [(1, 8, 1, None), (7, 16, 37, 3), (7, 130, 300, 1), (17, 48, 37, 5), (33, 24, 300, 8), (33, 8, 37, None)]  # fmt: skip
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -92,14 +77,8 @@ def test_under_cpu_autocast_with_fp32_master_weight(path, rows, hidden, vocab, c
     torch.manual_seed(0)
     hidden_states, weight, targets = make_inputs(rows, hidden, vocab, torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = loss_and_grads(
-            linear_cross_entropy,
-            hidden_states,
-            weight,
-            targets,
-            grad_scale=0.37,
-            chunk_size=chunk_size,
-        )
+        inputs = (hidden_states, weight, targets)
+        ours = loss_and_grads(linear_cross_entropy, *inputs, grad_scale=0.37, chunk_size=chunk_size)
         baseline = loss_and_grads(
             linear_cross_entropy_reference, hidden_states, weight, targets, grad_scale=0.37
         )
@@ -110,14 +89,9 @@ def test_under_cpu_autocast_with_fp32_master_weight(path, rows, hidden, vocab, c
     assert_all_within(ours, baseline, exact)
 
     # Outside autocast, compute_dtype=bf16 gives the same as autocast's default.
+    bf16 = torch.bfloat16
     explicit = loss_and_grads(
-        linear_cross_entropy,
-        hidden_states,
-        weight,
-        targets,
-        grad_scale=0.37,
-        chunk_size=chunk_size,
-        compute_dtype=torch.bfloat16,
+        linear_cross_entropy, *inputs, grad_scale=0.37, chunk_size=chunk_size, compute_dtype=bf16
     )
     assert all(torch.equal(a, b) for a, b in zip(ours, explicit, strict=True))
 

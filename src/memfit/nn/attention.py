@@ -85,12 +85,8 @@ class Attention(nn.Module):
         window: int | None = None,
     ) -> None:
         super().__init__()
-        self.layer_index = layer_index
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.window = window
-        self.backend = backend
+        self.layer_index, self.backend, self.window = layer_index, backend, window
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
         self.out = nn.Linear(q_size, hidden_size, bias=False)

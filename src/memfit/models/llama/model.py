@@ -44,15 +44,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        metadata: AttentionMetadata | None = None,
-        kv_cache=None,
-    ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, metadata, kv_cache)
+    def forward(self, x: Tensor, *attention_inputs) -> Tensor:
+        """x: (batch, seqlen, hidden); attention_inputs: what `Attention.forward` takes after
+        its input (cos, sin, metadata, kv_cache)."""
+        x = x + self.attention(self.attention_norm(x), *attention_inputs)
         return x + self.mlp(self.mlp_norm(x))
 
 
