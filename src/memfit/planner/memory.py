@@ -1,5 +1,6 @@
 """The memory model: per-GPU bytes of a training step, by category and by phase, following the
-engine's actual dataflow (train/engine.py, models/llama.py, ops/).
+engine's actual dataflow (train/step.py, models/llama/, ops/); the per-layer activation formula
+is the model family's spec (models/llama/spec.py).
 
 Notation: P parameters, L layers, h hidden, q = heads*head_dim, kv = kv_heads*head_dim,
 f = intermediate (ffn) size, V vocabulary, H heads, T = micro_batch * seq_len tokens,
