@@ -85,7 +85,7 @@ def _flash_unavailable(device: torch.device, precision: str, head_dim: int | Non
 
 
 AttentionKernel = Callable[..., Tensor]
-"""kernel(q, k, v, *, causal, window, mask) -> out, shapes as in `attention`."""
+"""kernel(q, k, v, *, causal, window, mask, metadata) -> out, shapes as in `attention`."""
 
 _ATTENTION_BACKENDS: dict[str, AttentionKernel] = {}
 
@@ -108,6 +108,7 @@ def attention(
     window: int | None = None,
     backend: str = "sdpa",
     mask: Tensor | None = None,
+    metadata=None,
 ) -> Tensor:
     """Scaled dot-product attention with grouped key/value heads.
 
@@ -118,6 +119,10 @@ def attention(
     `window - 1` positions behind the query (Mistral's sliding window). `mask` (broadcastable to
     (batch, 1, seqlen_q, seqlen_k), bool, True where allowed) replaces both: a static KV cache's
     mask (AttentionMetadata.cached); the flash backend takes no mask and hands such calls to sdpa.
+    `metadata` (memfit.nn.AttentionMetadata) with a block table: k and v are a paged cache's
+    block pools of one layer (num_blocks, block_size, heads_kv, head_dim), q holds the step's
+    tokens flattened (1, tokens, heads_q, head_dim), each attending to its own sequence's blocks
+    up to its position: the "paged" backend runs.
     backend: a registered name: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa
     (torch's fused attention), eager (materializes the scores; a reference), or auto
     (`resolve_attention`).
@@ -130,22 +135,25 @@ def attention(
         backend = resolve_attention(
             "auto", q.device, precision=precision, head_dim=q.shape[3], window=window
         )
-    if mask is not None and backend == "flash":
+    if metadata is not None and metadata.block_table is not None:
+        backend = "paged"
+    elif mask is not None and backend == "flash":
         backend = "sdpa"
     if backend not in _ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; registered: {', '.join(_ATTENTION_BACKENDS)}"
         )
-    return _ATTENTION_BACKENDS[backend](q, k, v, causal=causal, window=window, mask=mask)
+    kernel = _ATTENTION_BACKENDS[backend]
+    return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata)
 
 
-def _flash(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Tensor:
+def _flash(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metadata=None) -> Tensor:
     # Mistral's window W hides keys W or more positions back: (left, right) = (W - 1, 0)
     flash_window = (window - 1, 0) if window is not None else None
     return flash_attention(q, k, v, causal=causal, window=flash_window)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metadata=None) -> Tensor:
     seqlen_q, seqlen_k, heads_q, heads_kv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     if mask is None:
         mask = _mask(seqlen_q, seqlen_k, causal, window, q.device)
@@ -166,7 +174,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Ten
     return out.transpose(1, 2)  # (B, T, nh, hs)
 
 
-def _eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Tensor:
+def _eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metadata=None) -> Tensor:
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if mask is None:
         mask = _mask(seqlen_q, seqlen_k, causal, window, q.device)
@@ -174,7 +182,28 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask) -> Te
     return _eager_attention(q, k, v, mask, causal).transpose(1, 2)
 
 
+def _paged_reference(
+    q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata
+) -> Tensor:
+    """Paged attention in plain PyTorch, the reference the paged Triton kernels replace: each
+    token's sequence's blocks are gathered into (tokens, blocks x block_size, heads_kv, head_dim)
+    and attended under the mask of the positions up to the token's (within the window)."""
+    table = metadata.block_table[metadata.seq_index]  # (T, max_blocks)
+    keys = key_pool[table].flatten(1, 2)  # (T, S, nkv, hs)
+    values = value_pool[table].flatten(1, 2)
+    key_positions = torch.arange(keys.shape[1], device=q.device)
+    positions = metadata.positions[:, None]
+    allowed = key_positions[None, :] <= positions  # (T, S)
+    if window is not None:
+        allowed &= key_positions[None, :] > positions - window
+    out = _sdpa(
+        q.transpose(0, 1), keys, values, causal=False, window=None, mask=allowed[:, None, None, :]
+    )  # (T, 1, nh, hs)
+    return out.transpose(0, 1)  # (1, T, nh, hs)
+
+
 register_attention_backend("flash", _flash)
+register_attention_backend("paged", _paged_reference)
 register_attention_backend("sdpa", _sdpa)
 register_attention_backend("eager", _eager)
 

@@ -39,11 +39,13 @@ class KVCache:
         see (causal, within the sliding window)."""
         return AttentionMetadata.cached(positions, self.max_seq_len, self.window)
 
-    def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (batch, seqlen, kv_heads, head_dim) into the slots of `positions`
+    def update(
+        self, layer: int, metadata: AttentionMetadata, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Write k, v (batch, seqlen, kv_heads, head_dim) into the slots of `metadata.positions`
         (seqlen,) and return layer `layer`'s whole key and value buffers (batch, max_seq_len,
         kv_heads, head_dim)."""
-        keys, values = self.keys[layer], self.values[layer]
+        keys, values, positions = self.keys[layer], self.values[layer], metadata.positions
         keys.index_copy_(1, positions, k.to(keys.dtype))
         values.index_copy_(1, positions, v.to(values.dtype))
         return keys, values

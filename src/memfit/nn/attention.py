@@ -41,8 +41,10 @@ class AttentionMetadata:
         None: plain causal attention over the tokens themselves (training, a prefill from 0).
     cu_seqlens, max_seqlen: packed variable-length sequences (cumulative lengths, int32), for the
         varlen flash kernel; None for padded batches.
-    block_table, slot_mapping: a paged KV cache's per-sequence block table (batch, max_blocks)
-        and each new token's slot in the block pool (tokens,); None for the static cache.
+    block_table, slot_mapping, seq_index: a paged KV cache's block table (sequences,
+        max_blocks) int32, each token's slot in the block pool (tokens,) and each token's row of
+        the block table (tokens,); the step's tokens are then flattened into one row (batch 1).
+        None for the static cache.
     """
 
     positions: Tensor
@@ -51,6 +53,7 @@ class AttentionMetadata:
     max_seqlen: int | None = None
     block_table: Tensor | None = None
     slot_mapping: Tensor | None = None
+    seq_index: Tensor | None = None
 
     @classmethod
     def causal(cls, seqlen: int, device: torch.device | str, start: int = 0) -> AttentionMetadata:
@@ -101,7 +104,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         """x: (batch, seqlen, hidden); cos, sin: (seqlen, head_dim / 2) at the tokens' positions
         (computed once per forward by the model); kv_cache: a cache with
-        `update(layer, positions, k, v) -> (keys, values)` (memfit.inference.KVCache)."""
+        `update(layer, metadata, k, v) -> (keys, values)` (memfit.inference: KVCache, PagedKVCache)."""
         batch, seqlen, _ = x.shape
         qkv = self.qkv(x)  # (B, T, (nh + 2 * nkv) * hs)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -112,12 +115,13 @@ class Attention(nn.Module):
         # after RoPE instead of being kept alive for backward by the attention kernel.
         v = v.reshape(batch, seqlen, self.num_kv_heads, self.head_dim).contiguous()
         q, k = MF.apply_rotary_qk(q, k, cos, sin)  # one kernel for both; no copy of qkv
-        key_mask = None
+        read = None
         if kv_cache is not None:
-            cached_k, cached_v = kv_cache.update(self.layer_index, metadata.positions, k, v)
-            if metadata.key_mask is not None:  # decode, chunked prefill: read the cache
-                k, v, key_mask = cached_k, cached_v, metadata.key_mask  # (B, S, nkv, hs)
+            cached_k, cached_v = kv_cache.update(self.layer_index, metadata, k, v)
+            if metadata.key_mask is not None or metadata.block_table is not None:
+                k, v, read = cached_k, cached_v, metadata  # decode, chunked prefill, paged
         y = MF.attention(
-            q, k, v, causal=True, window=self.window, backend=self.backend, mask=key_mask
-        )
+            q, k, v, causal=True, window=self.window, backend=self.backend,
+            mask=read.key_mask if read is not None else None, metadata=read,
+        )  # fmt: skip
         return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))

@@ -85,10 +85,12 @@ class Llama(nn.Module):
         kv_cache=None,
         start_pos: int = 0,
         last_only: bool = False,
+        logits_at: Tensor | None = None,
     ) -> Tensor:
         """tokens: (batch, seqlen) ids. With `targets` (batch, seqlen; -100 where no loss): the
         summed cross-entropy. Without: logits (batch, seqlen, vocab), or (batch, 1, vocab) of the
-        last position with `last_only` (a prefill needs no more). `metadata` says where the tokens
+        last position with `last_only` (a prefill needs no more), or (batch, len(logits_at), vocab)
+        at the token indices `logits_at` (a paged step: each sequence's last token). `metadata` says where the tokens
         are (default: positions start_pos.., plain causal attention); `kv_cache` is written at its
         positions and, when it has a key_mask, read (memfit.inference)."""
         batch, seqlen = tokens.shape
@@ -122,6 +124,8 @@ class Llama(nn.Module):
             x = block(x, cos, sin, metadata, kv_cache)
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[:, logits_at]
         x = self.norm(x)
         if targets is None:
             return x @ self.output_weight.to(x.dtype).T  # (B, T, vocab)

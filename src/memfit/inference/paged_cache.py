@@ -1,0 +1,201 @@
+"""A paged KV cache (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention"): keys and values of every layer live in one preallocated pool of
+fixed-size blocks, and each sequence finds its blocks through a block table, as a process finds
+its pages. A sequence takes a block only when it needs one, so at most block_size - 1 slots per
+sequence are reserved but empty (vLLM measured under 4% waste against 60-80% for caches reserved
+at the longest length), and a finished sequence gives its blocks back at once.
+
+Layout: keys, values: (layers, num_blocks, block_size, heads_kv, head_dim), GQA/MQA keep heads_kv
+heads only. Slot s of the pool is block s // block_size, offset s % block_size. Blocks carry
+reference counts: a block shared by several sequences (a common prompt prefix) returns to the
+free list when the last one lets it go; `fork` shares a sequence's blocks with a new one.
+
+Bookkeeping (tables, lengths, the free list) is on the host, where the scheduler runs; a step's
+`AttentionMetadata` (positions, slot mapping, block table, each token's sequence) is built once
+and copied to the device in one go, and every layer reads it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from memfit.models.config import ModelConfig
+from memfit.nn.attention import AttentionMetadata
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free block; the scheduler preempts a sequence and tries again."""
+
+
+class BlockPool:
+    """The free list and reference counts of `num_blocks` blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        block = self.free.popleft()
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} is free: it cannot be shared")
+        self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} is already free")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free.append(block)
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of every layer for block_size tokens."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+    @classmethod
+    def from_budget(
+        cls,
+        config: ModelConfig,
+        budget_bytes: int,
+        *,
+        block_size: int = 16,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PagedKVCache:
+        """As many blocks as `budget_bytes` holds (e.g. what is left of `gpu_memory_utilization`
+        of the GPU after the weights); ValueError naming the numbers if not one fits."""
+        per_block = cls.bytes_per_block(config, block_size, dtype)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds no block of {block_size} "
+                f"tokens ({per_block / 2**20:.2f} MiB for {config.name}'s {config.num_layers} "
+                "layers): give the cache more memory or use a smaller block_size"
+            )
+        return cls(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+
+    # -- sequences ------------------------------------------------------------------------------
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether `num_tokens` more tokens of `seq_id` (new or not) fit in the free blocks."""
+        length = self.lengths.get(seq_id, 0)
+        needed = self._blocks_for(length + num_tokens) - len(self.tables.get(seq_id, ()))
+        return needed <= self.pool.num_free
+
+    def append(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Reserve slots for `num_tokens` more tokens of `seq_id` (allocating blocks as needed)
+        and return them; OutOfBlocks, with nothing changed, when the pool cannot hold them."""
+        if not self.can_append(seq_id, num_tokens):
+            raise OutOfBlocks(
+                f"sequence {seq_id} needs blocks for {num_tokens} more tokens; "
+                f"{self.pool.num_free} of {self.pool.num_blocks} blocks are free"
+            )
+        table = self.tables.setdefault(seq_id, [])
+        start = self.lengths.get(seq_id, 0)
+        while len(table) < self._blocks_for(start + num_tokens):
+            table.append(self.pool.allocate())
+        self.lengths[seq_id] = start + num_tokens
+        size = self.block_size
+        return [table[p // size] * size + p % size for p in range(start, start + num_tokens)]
+
+    def fork(self, parent: int, child: int) -> None:
+        """`child` starts as `parent`'s copy, sharing its blocks (reference counts). The shared
+        part must not be written again: prefix sharing shares whole, full blocks."""
+        if child in self.tables:
+            raise ValueError(f"sequence {child} already exists")
+        for block in self.tables[parent]:
+            self.pool.share(block)
+        self.tables[child] = list(self.tables[parent])
+        self.lengths[child] = self.lengths[parent]
+
+    def free(self, seq_id: int) -> None:
+        """Give `seq_id`'s blocks back (a shared block stays until its last user frees it)."""
+        for block in self.tables.pop(seq_id, []):
+            self.pool.release(block)
+        self.lengths.pop(seq_id, None)
+
+    def waste(self) -> float:
+        """Reserved but empty slots over all reserved slots (0 when nothing is reserved)."""
+        blocks = self.pool.num_blocks - self.pool.num_free
+        stored = sum(self.lengths.values())
+        return 1 - stored / (blocks * self.block_size) if blocks else 0.0
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    def step_metadata(self, seq_ids: Sequence[int], num_new: Sequence[int]) -> AttentionMetadata:
+        """Reserve slots for `num_new[i]` new tokens of each `seq_ids[i]` and describe the step:
+        its tokens flattened in that order (sequence i's new tokens at positions length ..
+        length + num_new[i] - 1), their slots, the block table and each token's row of it."""
+        positions, slots, seq_index = [], [], []
+        for row, (seq_id, count) in enumerate(zip(seq_ids, num_new, strict=True)):
+            start = self.lengths.get(seq_id, 0)
+            slots += self.append(seq_id, count)
+            positions += range(start, start + count)
+            seq_index += [row] * count
+        width = max(len(self.tables[s]) for s in seq_ids)
+        table = [self.tables[s] + [0] * (width - len(self.tables[s])) for s in seq_ids]
+        host = {
+            "positions": torch.tensor(positions, dtype=torch.long),
+            "slot_mapping": torch.tensor(slots, dtype=torch.long),
+            "seq_index": torch.tensor(seq_index, dtype=torch.long),
+            "block_table": torch.tensor(table, dtype=torch.int32),
+        }
+        device = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+        return AttentionMetadata(**device)
+
+    def update(
+        self, layer: int, metadata: AttentionMetadata, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Write the step's k, v (1, tokens, heads_kv, head_dim) into their slots and return
+        layer `layer`'s block pools (num_blocks, block_size, heads_kv, head_dim)."""
+        keys, values = self.keys[layer], self.values[layer]
+        heads, dim = keys.shape[-2:]
+        slots = metadata.slot_mapping
+        keys.view(-1, heads, dim).index_copy_(0, slots, k.reshape(-1, heads, dim).to(keys.dtype))
+        values.view(-1, heads, dim).index_copy_(
+            0, slots, v.reshape(-1, heads, dim).to(values.dtype)
+        )
+        return keys, values
