@@ -119,11 +119,14 @@ class PagedKVCache:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        """Free blocks `num_tokens` more tokens of `seq_id` (new or not) would take."""
+        length = self.lengths.get(seq_id, 0)
+        return self._blocks_for(length + num_tokens) - len(self.tables.get(seq_id, ()))
+
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         """Whether `num_tokens` more tokens of `seq_id` (new or not) fit in the free blocks."""
-        length = self.lengths.get(seq_id, 0)
-        needed = self._blocks_for(length + num_tokens) - len(self.tables.get(seq_id, ()))
-        return needed <= self.pool.num_free
+        return self.blocks_needed(seq_id, num_tokens) <= self.pool.num_free
 
     def append(self, seq_id: int, num_tokens: int) -> list[int]:
         """Reserve slots for `num_tokens` more tokens of `seq_id` (allocating blocks as needed)

@@ -1,0 +1,93 @@
+"""The continuous-batching engine: greedy outputs token-identical to full recompute for prompts
+of different lengths, also when the pool is so small that sequences are preempted and
+recomputed, and with prefill in chunks; sampling parameters and prompts checked up front."""
+
+import pytest
+import torch
+
+from memfit.inference import Engine, PagedKVCache, SamplingParams
+from memfit.models import PRESETS, build_model
+
+
+def full_recompute(model, prompt, steps):
+    sequence = torch.tensor([prompt])
+    for _ in range(steps):
+        with torch.no_grad():
+            next_token = model(sequence)[:, -1].argmax(-1, keepdim=True)
+        sequence = torch.cat([sequence, next_token], dim=1)
+    return sequence[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(PRESETS["tiny"], seed=0).eval()
+
+
+def prompts(lengths, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    vocab = PRESETS["tiny"].vocab_size
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "max_step_tokens", "preempts"),
+    [(32, 2048, False), (6, 2048, True), (32, 4, False)],  # roomy; preemption; chunked prefill
+)
+def test_greedy_outputs_match_full_recompute(model, num_blocks, max_step_tokens, preempts):
+    steps, lengths = 6, (3, 9, 5, 11)
+    cache = PagedKVCache(
+        model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=max_step_tokens)
+    batch = prompts(lengths)
+    for prompt in batch:
+        engine.add(prompt, SamplingParams(max_tokens=steps))
+    outputs = engine.run()
+    for prompt, got in zip(batch, outputs, strict=True):
+        assert got == full_recompute(model, prompt, steps)
+    assert (engine.preemptions > 0) == preempts
+    assert engine.peak_blocks <= num_blocks
+    assert cache.pool.num_free == num_blocks and not cache.tables
+
+
+def test_stop_tokens_and_max_tokens_end_a_request(model):
+    cache = PagedKVCache(
+        model.config, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    batch = prompts((4, 7))
+    greedy = [full_recompute(model, p, 5) for p in batch]
+    engine = Engine(model, cache)
+    engine.add(batch[0], SamplingParams(max_tokens=5, stop_token_ids=[greedy[0][2]]))
+    engine.add(batch[1], SamplingParams(max_tokens=2))
+    first, second = engine.run()
+    assert first == greedy[0][: greedy[0].index(greedy[0][2])]
+    assert second == greedy[1][:2]
+
+
+def test_seeded_sampling_repeats(model):
+    def run():
+        cache = PagedKVCache(
+            model.config, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu"
+        )
+        engine = Engine(model, cache)
+        engine.add(prompts((5,))[0], SamplingParams(max_tokens=8, temperature=1.0, seed=7))
+        return engine.run()[0]
+
+    assert run() == run()
+
+
+def test_bad_requests_say_what_is_wrong(model):
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(TypeError):
+        SamplingParams(nucleus=0.9)  # an unknown parameter
+    cache = PagedKVCache(
+        model.config, num_blocks=2, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache)
+    with pytest.raises(ValueError, match="exceeds the KV pool's 8"):
+        engine.add(list(range(5)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add([])
