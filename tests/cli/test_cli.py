@@ -41,6 +41,19 @@ def test_default_train_lowers_the_loss_and_generates(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.startswith("mia has") and "tok/s" in text
 
+    # a file of prompts through the paged engine: plain lines and JSONL, results as JSONL
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('mia has\n{"prompt": "tom finds"}\n\nthe week\n')
+    out = tmp_path / "out.jsonl"
+    command = ["generate", str(run), "--prompts", str(prompts), "--output", str(out)]
+    assert main([*command, "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["mia has", "tom finds", "the week"]
+    # greedy: the engine continues "mia has" as the single-prompt path did
+    assert text.startswith("mia has" + records[0]["completion"])
+    summary = capsys.readouterr().out
+    assert "3 requests" in summary and "KV blocks peak" in summary and "preemptions" in summary
+
 
 def test_config_file_flags_and_set_precedence(tmp_path):
     config = tmp_path / "run.toml"

@@ -109,6 +109,19 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         "checkpoint", help="run directory (uses its latest checkpoint) or a checkpoint directory"
     )
     p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument(
+        "--prompts",
+        help='a file of prompts, one per line or JSONL ({"prompt": ...}): all run through the '
+        "paged engine with continuous batching",
+    )
+    p.add_argument("--output", help="with --prompts: write one JSON line per prompt here")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=0.9,
+        help="with --prompts on CUDA: the share of GPU memory the weights and the KV pool may use",
+    )
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
