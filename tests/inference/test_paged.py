@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memfit import functional as MF
-from memfit.inference import BlockPool, OutOfBlocks, PagedKVCache, generate_paged
+from memfit.inference import BlockPool, OutOfBlocks, PagedKVCache, SamplingParams, generate_paged
 from memfit.models import PRESETS, build_model
 from memfit.nn import AttentionMetadata
 
@@ -108,7 +108,7 @@ def test_generation_of_mixed_lengths_matches_full_recompute(block_size, window):
         config, num_blocks=32, block_size=block_size, dtype=torch.float32, device="cpu"
     )
     steps = 7
-    out = generate_paged(model, prompts, cache, max_new_tokens=steps)
+    out = generate_paged(model, prompts, cache, SamplingParams(max_tokens=steps))
     for prompt, got in zip(prompts, out, strict=True):
         sequence = torch.tensor([prompt])
         for _ in range(steps):  # greedy without a cache: the whole sequence each time
@@ -124,9 +124,11 @@ def test_a_row_stops_at_eos_and_leaves_the_batch():
     model = build_model(config, seed=0).eval()
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     cache = PagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
-    greedy = generate_paged(model, prompts, cache, max_new_tokens=6)
+    greedy = generate_paged(model, prompts, cache, SamplingParams(max_tokens=6))
     eos = greedy[0][2]
-    stopped = generate_paged(model, prompts, cache, max_new_tokens=6, eos_id=eos)
+    stopped = generate_paged(
+        model, prompts, cache, SamplingParams(max_tokens=6, stop_token_ids=[eos])
+    )
     assert stopped[0] == greedy[0][: greedy[0].index(eos)]
     expected = greedy[1][: greedy[1].index(eos)] if eos in greedy[1] else greedy[1]
     assert stopped[1] == expected

@@ -12,9 +12,10 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from memfit.inference.engine import Engine, SamplingParams
+from memfit.inference.engine import Engine
 from memfit.inference.generate import generate
 from memfit.inference.paged_cache import PagedKVCache
+from memfit.inference.sampling_params import SamplingParams
 from memfit.train.checkpoint import load_for_inference
 from memfit.train.data import load_tokenizer
 from memfit.train.engine import resolve_device

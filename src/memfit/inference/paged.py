@@ -11,6 +11,7 @@ from torch import Tensor
 
 from memfit.inference.generate import sample
 from memfit.inference.paged_cache import PagedKVCache
+from memfit.inference.sampling_params import SamplingParams
 
 
 @torch.inference_mode()
@@ -29,28 +30,20 @@ def paged_step(
 
 @torch.inference_mode()
 def generate_paged(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    cache: PagedKVCache,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_id: int | None = None,
-    seed: int | None = None,
+    model: torch.nn.Module, prompts: list[list[int]], cache: PagedKVCache, params: SamplingParams
 ) -> list[list[int]]:
-    """Continue every prompt (lists of token ids, any lengths); rows stop at `eos_id` (not
-    returned) or after `max_new_tokens`. The cache must hold every sequence at its longest
-    (OutOfBlocks otherwise: preemption belongs to the scheduler); it must hold no sequence when
-    called (the prompts are sequences 0 .. len(prompts) - 1) and holds none afterwards."""
+    """Continue every prompt (lists of token ids, any lengths) under `params` (one generator
+    seeded with params.seed for the batch); rows stop at a stop token (not returned) or after
+    max_tokens. The cache must hold every sequence at its longest (OutOfBlocks otherwise:
+    preemption is the Engine's); it must hold no sequence when called (the prompts are sequences
+    0 .. len(prompts) - 1) and holds none afterwards."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate_paged needs at least one prompt, each of >= 1 token")
     if cache.tables:
         raise ValueError(f"the cache already holds sequences {sorted(cache.tables)}: free them")
     generator = None
-    if seed is not None:
-        generator = torch.Generator(device=cache.device).manual_seed(seed)
+    if params.seed is not None:
+        generator = torch.Generator(device=cache.device).manual_seed(params.seed)
     seq_ids = list(range(len(prompts)))
     out: list[list[int]] = [[] for _ in prompts]
     step_tokens = [list(p) for p in prompts]
@@ -58,13 +51,18 @@ def generate_paged(
         while seq_ids:
             logits = paged_step(model, cache, seq_ids, step_tokens)
             chosen = sample(
-                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-            ).tolist()  # the scheduler's one read per step: who stops, what comes next
+                logits,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                generator=generator,
+            ).tolist()  # the one read per step: who stops, what comes next
             running, step_tokens = [], []
             for seq_id, token in zip(seq_ids, chosen, strict=True):
-                if token != eos_id:
+                stop = token in params.stop_token_ids
+                if not stop:
                     out[seq_id].append(token)
-                if token == eos_id or len(out[seq_id]) >= max_new_tokens:
+                if stop or len(out[seq_id]) >= params.max_tokens:
                     cache.free(seq_id)
                 else:
                     running.append(seq_id)

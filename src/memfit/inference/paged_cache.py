@@ -94,17 +94,12 @@ class PagedKVCache:
 
     @classmethod
     def from_budget(
-        cls,
-        config: ModelConfig,
-        budget_bytes: int,
-        *,
-        block_size: int = 16,
-        dtype: torch.dtype,
-        device: torch.device | str,
+        cls, config: ModelConfig, budget_bytes: int, *, block_size: int = 16, **tensor_options
     ) -> PagedKVCache:
         """As many blocks as `budget_bytes` holds (e.g. what is left of `gpu_memory_utilization`
-        of the GPU after the weights); ValueError naming the numbers if not one fits."""
-        per_block = cls.bytes_per_block(config, block_size, dtype)
+        of the GPU after the weights); ValueError naming the numbers if not one fits.
+        tensor_options: dtype and device, as for the constructor."""
+        per_block = cls.bytes_per_block(config, block_size, tensor_options["dtype"])
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -112,7 +107,7 @@ class PagedKVCache:
                 f"tokens ({per_block / 2**20:.2f} MiB for {config.name}'s {config.num_layers} "
                 "layers): give the cache more memory or use a smaller block_size"
             )
-        return cls(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+        return cls(config, num_blocks=num_blocks, block_size=block_size, **tensor_options)
 
     # -- sequences ------------------------------------------------------------------------------
 
