@@ -154,20 +154,25 @@ class Engine:
         self.steps += 1
         used = self.cache.pool.num_blocks - self.cache.pool.num_free
         self.peak_blocks = max(self.peak_blocks, used)
+        # the greedy rows' tokens in one argmax and one read; sampled rows draw with their own
+        # parameters and generator
+        greedy = logits.argmax(dim=-1).tolist()
         for row, (request, tokens) in enumerate(batch):
             request.computed += len(tokens)
             if request.computed < len(request.tokens):
                 continue  # a prefill chunk: the prompt is not done yet
             params = request.params
-            token = int(
-                sample(
-                    logits[row : row + 1],
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    top_p=params.top_p,
-                    generator=request.generator,
+            token = greedy[row]
+            if params.temperature > 0:
+                token = int(
+                    sample(
+                        logits[row : row + 1],
+                        temperature=params.temperature,
+                        top_k=params.top_k,
+                        top_p=params.top_p,
+                        generator=request.generator,
+                    )
                 )
-            )
             stop = token in params.stop_token_ids
             if not stop:
                 request.output.append(token)

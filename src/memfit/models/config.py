@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,7 @@ class ModelConfig:
                     "known: 'llama3' (Llama 3.1+) or none"
                 )
 
-    @property
+    @functools.cached_property
     def spec(self):
         """The family's spec (parameters, FLOPs, activation bytes), which the planner reads."""
         from memfit.models import get_family
