@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from memfit.ops._triton import HAS_TRITON
+from memfit.ops._triton import HAS_TRITON, use_triton
 from memfit.ops.attention import (
     SUPPORTED_HEAD_DIMS,
     flash_attention,
@@ -202,8 +202,27 @@ def _paged_reference(
     return out.transpose(0, 1)  # (1, T, nh, hs)
 
 
+def _paged(
+    q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata
+):
+    """memfit's Triton paged kernels (memfit.ops.attention.paged) where Triton runs, else the
+    plain-PyTorch reference."""
+    if not use_triton(q) or metadata.seq_lens is None:
+        return _paged_reference(
+            q, key_pool, value_pool, causal=causal, window=window, mask=mask, metadata=metadata
+        )
+    from memfit.ops.attention.paged import paged_attention
+
+    out = paged_attention(
+        q[0], key_pool, value_pool, block_table=metadata.block_table, seq_lens=metadata.seq_lens,
+        query_start=metadata.query_start, max_query_len=metadata.max_query_len,
+        max_seq_len=metadata.max_seq_len, window=window,
+    )  # fmt: skip
+    return out[None]
+
+
 register_attention_backend("flash", _flash)
-register_attention_backend("paged", _paged_reference)
+register_attention_backend("paged", _paged)
 register_attention_backend("sdpa", _sdpa)
 register_attention_backend("eager", _eager)
 

@@ -2,15 +2,19 @@
 of different lengths, also when the pool is so small that sequences are preempted and
 recomputed, and with prefill in chunks; sampling parameters and prompts checked up front."""
 
+import contextlib
+
 import pytest
 import torch
 
 from memfit.inference import Engine, PagedKVCache, SamplingParams
 from memfit.models import PRESETS, build_model
+from memfit.ops._triton import triton_on_cpu
 
 
 def full_recompute(model, prompt, steps):
-    sequence = torch.tensor([prompt])
+    """Greedy decoding without a cache: the whole sequence through the model for each token."""
+    sequence = torch.tensor([prompt], device=next(model.parameters()).device)
     for _ in range(steps):
         with torch.no_grad():
             next_token = model(sequence)[:, -1].argmax(-1, keepdim=True)
@@ -30,10 +34,15 @@ def prompts(lengths, seed=1):
 
 
 @pytest.mark.parametrize(
-    ("num_blocks", "max_step_tokens", "preempts"),
-    [(32, 2048, False), (6, 2048, True), (32, 4, False)],  # roomy; preemption; chunked prefill
+    ("num_blocks", "max_step_tokens", "preempts", "kernels"),
+    [
+        (32, 2048, False, False),  # roomy
+        (6, 2048, True, False),  # preemption
+        (32, 4, False, False),  # chunked prefill
+        (6, 5, True, True),  # both, with the Triton paged kernels (interpreted)
+    ],
 )
-def test_greedy_outputs_match_full_recompute(model, num_blocks, max_step_tokens, preempts):
+def test_greedy_outputs_match_full_recompute(model, num_blocks, max_step_tokens, preempts, kernels):
     steps, lengths = 6, (3, 9, 5, 11)
     cache = PagedKVCache(
         model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu"
@@ -42,7 +51,8 @@ def test_greedy_outputs_match_full_recompute(model, num_blocks, max_step_tokens,
     batch = prompts(lengths)
     for prompt in batch:
         engine.add(prompt, SamplingParams(max_tokens=steps))
-    outputs = engine.run()
+    with triton_on_cpu() if kernels else contextlib.nullcontext():
+        outputs = engine.run()
     for prompt, got in zip(batch, outputs, strict=True):
         assert got == full_recompute(model, prompt, steps)
     assert (engine.preemptions > 0) == preempts

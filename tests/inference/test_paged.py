@@ -31,7 +31,9 @@ def test_blocks_are_counted_shared_and_reused():
 def test_sequences_take_blocks_as_they_grow():
     config = PRESETS["tiny"]
     cache = PagedKVCache(config, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu")
-    assert cache.keys.shape == (config.num_layers, 4, 4, config.num_kv_heads, config.head_dim)
+    # four blocks to hand out and the scratch block of captured decode steps
+    assert cache.keys.shape == (config.num_layers, 5, 4, config.num_kv_heads, config.head_dim)
+    assert cache.scratch_block == 4
     slots = cache.append(0, 6)  # two blocks, the second half full
     assert len(cache.tables[0]) == 2 and len(slots) == 6 and len(set(slots)) == 6
     assert cache.waste() == pytest.approx(2 / 8)
@@ -51,7 +53,8 @@ def test_budget_sizes_the_pool_and_says_when_nothing_fits():
     config = PRESETS["tiny"]
     per_block = PagedKVCache.bytes_per_block(config, 16, torch.bfloat16)
     assert per_block == 2 * config.num_layers * 16 * config.num_kv_heads * config.head_dim * 2
-    cache = PagedKVCache.from_budget(config, 10 * per_block + 1, dtype=torch.bfloat16, device="cpu")
+    # ten blocks and the scratch block
+    cache = PagedKVCache.from_budget(config, 11 * per_block + 1, dtype=torch.bfloat16, device="cpu")
     assert cache.pool.num_blocks == 10
     with pytest.raises(ValueError, match="holds no block of 16 tokens"):
         PagedKVCache.from_budget(config, per_block - 1, dtype=torch.bfloat16, device="cpu")

@@ -102,30 +102,36 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
-        help="generate text from a trained checkpoint",
-        description="Sample a continuation of --prompt from a checkpoint (run directory or step_* directory).",
+        help="generate text with the paged inference engine",
+        description="Continue --prompt, or every prompt of --prompts, with continuous batching "
+        "over a paged KV cache.",
     )
     p.add_argument(
-        "checkpoint", help="run directory (uses its latest checkpoint) or a checkpoint directory"
+        "model",
+        help="a memfit run or checkpoint directory, a Hugging Face checkpoint directory, or a "
+        "preset name (random weights)",
     )
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument(
         "--prompts",
         help='a file of prompts, one per line or JSONL ({"prompt": ...}): all run through the '
-        "paged engine with continuous batching",
+        "engine together, with a progress bar and a summary",
     )
     p.add_argument("--output", help="with --prompts: write one JSON line per prompt here")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument(
-        "--kv-memory-fraction",
+        "--gpu-memory-fraction",
         type=float,
         default=0.9,
-        help="with --prompts on CUDA: the share of GPU memory the weights and the KV pool may use",
+        help="on CUDA: the share of GPU memory for the weights, activations and the KV pool",
     )
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: model's)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
     p.add_argument("--tokenizer", help="override the tokenizer recorded in the checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")

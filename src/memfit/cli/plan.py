@@ -1,4 +1,5 @@
-"""`memfit plan`: predicted per-GPU memory of a training strategy, by category and phase."""
+"""`memfit plan`: predicted per-GPU memory of a training strategy, by category and phase; with
+`--serve`, the memory of serving the model and the KV cache pool that fits (planner/serve.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from memfit.planner import (
     what_would_fit,
 )
 from memfit.planner.memory import gib
+from memfit.planner.serve import ServePlan, plan_serve, serve_fixes
+
+# --seq-len's default for training plans (--serve defaults to the model's max_seq_len)
+TRAIN_SEQ_LEN = 2048
 
 
 def run_rank_strategies(args: argparse.Namespace, console: Console) -> int:
@@ -80,6 +85,10 @@ def run_rank_strategies(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
+    if args.serve:
+        return run_plan_serve(args, console)
+    if args.seq_len is None:
+        args.seq_len = TRAIN_SEQ_LEN
     if args.recommend:
         return run_rank_strategies(args, console)
     model = load_model_config(args.model)
@@ -154,12 +163,135 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     return 1
 
 
+def run_plan_serve(args: argparse.Namespace, console: Console) -> int:
+    """`memfit plan --serve`: what one GPU holds while serving, and the KV cache pool."""
+    if args.recommend or args.gpus != 1:
+        raise ValueError(
+            "--serve plans one GPU serving the whole model: drop --recommend and --gpus "
+            f"(got --gpus {args.gpus}{' --recommend' if args.recommend else ''})"
+        )
+    model = load_model_config(args.model)
+    result = plan_serve(
+        model,
+        get_gpu(args.gpu),
+        dtype=args.precision,
+        block_size=args.block_size,
+        memory_fraction=args.memory_fraction,
+        max_step_tokens=args.max_step_tokens,
+        max_running=args.max_running,
+        seq_len=args.seq_len,
+        cuda_graph_batch_sizes=() if args.no_cuda_graphs else None,
+    )
+    fixes = [] if result.fits else serve_fixes(result)
+    if args.json:
+        out = result.to_json()
+        if fixes:
+            out["would_fit"] = [
+                {"change": label, "max_sequences": p.max_sequences, "seq_len": p.seq_len}
+                for label, p in fixes
+            ]
+        print(json.dumps(out))
+        return 0 if result.fits else 1
+
+    console.print(
+        f"[bold]memfit plan --serve[/] {model.name} ({format_params(model.num_params)} params) on "
+        f"{result.gpu} ({gib(result.gpu_memory_bytes)}): {result.describe()}",
+        highlight=False,
+    )
+    console.print(_serve_table(result))
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False)
+    if result.fits:
+        console.print(
+            f"[green]KV cache[/]: {result.num_blocks:,} blocks of {result.block_size} tokens = "
+            f"{result.kv_tokens:,} tokens ({result.kv_bytes_per_token / 2**10:,.0f} KiB per "
+            f"token); {result.max_sequences:,} sequences of {result.seq_len:,} tokens at once "
+            f"({result.blocks_per_sequence} blocks each)",
+            highlight=False,
+        )
+        return 0
+    console.print(
+        f"[red]does not fit[/]: {result.error_message().splitlines()[0]}", highlight=False
+    )
+    if fixes:
+        console.print("these single changes would fit:")
+        for label, fixed in fixes:
+            console.print(
+                f"  {label:<28} {fixed.max_sequences:,} sequences of {fixed.seq_len:,} tokens",
+                highlight=False,
+            )
+    else:
+        console.print(
+            "no single change makes it fit: a GPU with more memory, or the model split over "
+            "several GPUs or quantized (not planned yet)"
+        )
+    return 1
+
+
+def _serve_table(result: ServePlan) -> Table:
+    table = Table(title="predicted memory of one GPU serving")
+    table.add_column("what")
+    table.add_column("GiB", justify="right")
+    table.add_column("how", style="dim")
+    phases = result.step_phases
+    forward, sampler = phases["forward"], phases["held"] - phases["forward"]
+    graphs = result.cuda_graph_batch_sizes
+    rows = [
+        (
+            "weights",
+            result.weights_bytes,
+            f"{format_params(result.model.num_params)} x {result.dtype}",
+        ),
+        (
+            "KV cache pool",
+            result.kv_pool_bytes,
+            f"{result.num_blocks:,} blocks + 1 scratch x {result.kv_bytes_per_block / 2**20:.2f} MiB",
+        ),
+        (
+            "step activations",
+            result.step_held_bytes,
+            f"{result.step_tokens} tokens, {result.step_rows} logit rows: forward "
+            f"{forward / 2**20:,.0f} MiB + sampler {sampler / 2**20:,.0f} MiB",
+        ),
+        ("cuBLAS workspace", result.workspace_bytes, "one handle"),
+        (
+            "CUDA graphs",
+            result.cuda_graph_bytes,
+            f"{len(graphs)} decode batch sizes up to {max(graphs)}: pool "
+            f"{result.cuda_graph_pool_bytes / 2**20:,.0f} MiB + driver "
+            f"{result.cuda_graph_driver_bytes / 2**20:,.0f} MiB"
+            if graphs
+            else "none",
+        ),
+        ("allocator slack", result.allocator_slack_bytes, "5% of step and graph pool"),
+        ("CUDA context", result.cuda_context_bytes, ""),
+        ("kernel modules", result.kernel_modules_bytes, "device code of the step's kernels"),
+    ]
+    for label, value, how in rows:
+        table.add_row(label, f"{value / 2**30:.2f}", how)
+    if result.fits:
+        unused = result.breakdown["unused"]
+        rows.append(("unused", unused, "less than one KV block"))
+        table.add_row("unused", f"{unused / 2**30:.2f}", "less than one KV block")
+    table.add_section()
+    used = sum(value for _, value, _ in rows)
+    table.add_row("[bold]total", f"[bold]{used / 2**30:.2f}", "")
+    table.add_row(
+        f"budget ({result.memory_fraction:.0%} of the GPU)",
+        f"{result.budget_bytes / 2**30:.2f}",
+        "",
+    )
+    return table
+
+
 def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     p = sub.add_parser(
         "plan",
-        help="predict per-GPU memory of a training strategy",
+        help="predict per-GPU memory of a training strategy, or of serving (--serve)",
         description="Predict the peak memory per GPU of training --model with a strategy, by category and "
-        "phase, and whether it fits --gpu. Exits 1 when it does not fit.",
+        "phase, and whether it fits --gpu; with --serve, what one GPU holds while serving --model and "
+        "the KV cache pool that fills the rest (tokens, blocks, sequences of --seq-len). Exits 1 when "
+        "it does not fit.",
     )
     p.add_argument("--model", default="llama-1b", help="preset or path to a HF config.json")
     p.add_argument(
@@ -168,9 +300,18 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         help="h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, l40s, ...",
     )
     p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="bf16",
+        help="training precision; with --serve, the weights' and KV cache's dtype",
+    )
     p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (default {TRAIN_SEQ_LEN}; with --serve, the model's max_seq_len)",
+    )
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--checkpointing", choices=["none", "full", "selective"], default="none")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
@@ -187,5 +328,33 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         "--recommend",
         action="store_true",
         help="list the fastest strategies that fit (micro-batch, accumulation, checkpointing)",
+    )
+    serve = p.add_argument_group("serving (--serve)")
+    serve.add_argument(
+        "--serve",
+        action="store_true",
+        help="plan serving instead of training: weights, a step, CUDA graphs and the KV cache pool",
+    )
+    serve.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory the server may use, KV cache included (default 0.9)",
+    )
+    serve.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    serve.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=2048,
+        help="tokens one engine step runs at most, prefill chunks included (default 2048)",
+    )
+    serve.add_argument(
+        "--max-running", type=int, default=256, help="sequences running at once (default 256)"
+    )
+    serve.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="plan no CUDA graphs of decode steps (default: batch sizes 1, 2, 4, 8, 16, ... up "
+        "to --max-running)",
     )
     p.set_defaults(handler=handler)

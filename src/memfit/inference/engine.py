@@ -19,14 +19,16 @@ at a stop token or after max_tokens.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from memfit.inference.generate import sample
 from memfit.inference.paged import paged_step
 from memfit.inference.paged_cache import PagedKVCache
+from memfit.inference.sampling import Sampler, StopStringChecker
 from memfit.inference.sampling_params import SamplingParams
 
 
@@ -39,8 +41,14 @@ class Request:
     computed: int = 0
     """Tokens of prompt + output whose keys and values are in the cache."""
     finished: bool = False
+    finish_reason: str = ""
+    """"stop" (a stop token or string) or "length" (max_tokens), once finished."""
+    logprobs: list[float] | None = None
+    """With params.logprobs: the log-probability of each output token under the model."""
+    text: str | None = None
+    """With stop strings: the output's text, cut before the stop string."""
+    stop_checker: StopStringChecker | None = None
     preemptions: int = 0
-    generator: torch.Generator | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -55,6 +63,10 @@ class Engine:
         *,
         max_step_tokens: int = 2048,
         max_running: int = 256,
+        max_seq_len: int | None = None,
+        cuda_graphs: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
+        seed: int | None = None,
     ) -> None:
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError(
@@ -67,13 +79,46 @@ class Engine:
         self.running: list[Request] = []
         self.steps = self.preemptions = 0
         self.peak_blocks = 0
-        self.max_context = getattr(model.config, "max_seq_len", None)
+        self.waste_samples: list[float] = []
+        self.decode_steps, self.decode_seconds = 0, 0.0
+        capacity = cache.pool.num_blocks * cache.block_size
+        model_context = getattr(model.config, "max_seq_len", None) or capacity
+        self.max_context = min(max_seq_len or 2 * model_context, capacity)
+        """The longest sequence (prompt + new tokens) a request may reach."""
+        self.decode = decode
+        self.sampler = Sampler(model.config.vocab_size, device=cache.device, seed=seed)
+        self.graphs = None
+        if cuda_graphs:
+            if cache.device.type != "cuda":
+                raise ValueError("cuda_graphs needs the cache on a CUDA device")
+            from memfit.inference.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                model, cache, max_batch=max_running, max_seq_len=self.max_context
+            )
+            self.graphs.capture()
 
     def add(self, prompt: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. A prompt that could never fit says so now."""
         params = params or SamplingParams()
+        self.check(prompt, params)
+        request = Request(id=len(self.requests), prompt=list(prompt), params=params)
+        self.requests.append(request)
+        self.waiting.append(request)
+        return request.id
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """ValueError, with the numbers, for a request this engine could never run: checked
+        before it joins, so that no request can fail inside a step shared with others (a token
+        id outside the vocabulary would stop the GPU for all of them)."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            bad = next(t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab))
+            raise ValueError(
+                f"prompt token {bad!r} is not a token id of this model (0..{vocab - 1})"
+            )
         longest = len(prompt) + params.max_tokens
         capacity = self.cache.pool.num_blocks * self.cache.block_size
         if longest > capacity:
@@ -82,17 +127,13 @@ class Engine:
                 f"tokens exceeds the KV pool's {capacity} ({self.cache.pool.num_blocks} blocks "
                 f"of {self.cache.block_size})"
             )
-        if self.max_context is not None and longest > 2 * self.max_context:
+        if longest > self.max_context:
             raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds twice "
-                f"the model's context of {self.max_context}"
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {longest} "
+                f"tokens exceeds the engine's max_seq_len of {self.max_context}"
             )
-        request = Request(id=len(self.requests), prompt=list(prompt), params=params)
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.cache.device).manual_seed(params.seed)
-        self.requests.append(request)
-        self.waiting.append(request)
-        return request.id
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer: this engine was given no decode")
 
     # -- scheduling -----------------------------------------------------------------------------
 
@@ -150,36 +191,61 @@ class Engine:
                 "no request can be scheduled: the KV pool cannot hold even one sequence's next "
                 "tokens (give the cache more blocks)"
             )
-        logits = paged_step(self.model, self.cache, [r.id for r, _ in batch], [t for _, t in batch])
+        start = time.perf_counter()
+        # the rows whose prompt is complete after this step sample a token: prepared before
+        # the forward, so their parameters travel to the device while it runs
+        sampling = [
+            (row, request)
+            for row, (request, tokens) in enumerate(batch)
+            if request.computed + len(tokens) == len(request.tokens)
+        ]
+        prepared = self.sampler.prepare([r for _, r in sampling]) if sampling else None
+        seq_ids = [r.id for r, _ in batch]
+        decode = all(len(tokens) == 1 for _, tokens in batch)
+        if decode and self.graphs is not None and self.graphs.bucket(len(batch)) is not None:
+            logits = self.graphs.run(seq_ids, [tokens[0] for _, tokens in batch])
+        else:
+            logits = paged_step(self.model, self.cache, seq_ids, [t for _, t in batch])
         self.steps += 1
         used = self.cache.pool.num_blocks - self.cache.pool.num_free
         self.peak_blocks = max(self.peak_blocks, used)
-        # the greedy rows' tokens in one argmax and one read; sampled rows draw with their own
-        # parameters and generator
-        greedy = logits.argmax(dim=-1).tolist()
-        for row, (request, tokens) in enumerate(batch):
+        self.waste_samples.append(self.cache.waste())
+        for request, tokens in batch:
             request.computed += len(tokens)
-            if request.computed < len(request.tokens):
-                continue  # a prefill chunk: the prompt is not done yet
-            params = request.params
-            token = greedy[row]
-            if params.temperature > 0:
-                token = int(
-                    sample(
-                        logits[row : row + 1],
-                        temperature=params.temperature,
-                        top_k=params.top_k,
-                        top_p=params.top_p,
-                        generator=request.generator,
+        if sampling:
+            rows = [row for row, _ in sampling]
+            if len(rows) < len(batch):
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            sampled, logprobs = self.sampler.sample(logits, prepared).to_lists()
+            for i, (_, request) in enumerate(sampling):
+                self._accept(request, sampled[i], logprobs[i] if logprobs is not None else None)
+        if decode:
+            self.decode_steps += 1
+            self.decode_seconds += time.perf_counter() - start
+
+    def _accept(self, request: Request, token: int, logprob: float | None) -> None:
+        """A sampled token: appended, or the end of the request (a stop token, a stop string,
+        max_tokens), whose blocks and sampler state are then freed."""
+        params = request.params
+        stop = token in params.stop_token_ids
+        if not stop:
+            request.output.append(token)
+            if params.logprobs:
+                request.logprobs = (request.logprobs or []) + [logprob]
+            if params.stop and self.decode is not None:
+                if request.stop_checker is None:
+                    request.stop_checker = StopStringChecker(
+                        params.stop, self.decode, context=request.prompt[-4:]
                     )
-                )
-            stop = token in params.stop_token_ids
-            if not stop:
-                request.output.append(token)
-            if stop or len(request.output) >= params.max_tokens:
-                request.finished = True
-                self.cache.free(request.id)
-                self.running.remove(request)
+                stop = request.stop_checker.append([token])
+        if stop or len(request.output) >= params.max_tokens:
+            request.finished = True
+            request.finish_reason = "stop" if stop else "length"
+            if request.stop_checker is not None:
+                request.text = request.stop_checker.finish()
+            self.cache.free(request.id)
+            self.sampler.release(request.id)
+            self.running.remove(request)
 
     def run(self) -> list[list[int]]:
         """Step until every request has finished; each request's new tokens, by id."""

@@ -5,8 +5,8 @@ its pages. A sequence takes a block only when it needs one, so at most block_siz
 sequence are reserved but empty (vLLM measured under 4% waste against 60-80% for caches reserved
 at the longest length), and a finished sequence gives its blocks back at once.
 
-Layout: keys, values: (layers, num_blocks, block_size, heads_kv, head_dim), GQA/MQA keep heads_kv
-heads only. Slot s of the pool is block s // block_size, offset s % block_size. Blocks carry
+Layout: keys, values: (layers, num_blocks + 1, block_size, heads_kv, head_dim), GQA/MQA keep
+heads_kv heads only; the last block is scratch space for the padding rows of captured steps. Slot s of the pool is block s // block_size, offset s % block_size. Blocks carry
 reference counts: a block shared by several sequences (a common prompt prefix) returns to the
 free list when the last one lets it go; `fork` shares a sequence's blocks with a new one.
 
@@ -17,6 +17,7 @@ and copied to the device in one go, and every layer reads it.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 
@@ -77,12 +78,21 @@ class PagedKVCache:
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # one block more than the pool hands out: the scratch block, where the padding rows of a
+        # captured decode step (memfit.inference.cuda_graphs) write and read
+        shape = (
+            config.num_layers,
+            num_blocks + 1,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.device = torch.device(device)
         self.pool = BlockPool(num_blocks)
+        self.scratch_block = num_blocks
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 
@@ -100,7 +110,7 @@ class PagedKVCache:
         of the GPU after the weights); ValueError naming the numbers if not one fits.
         tensor_options: dtype and device, as for the constructor."""
         per_block = cls.bytes_per_block(config, block_size, tensor_options["dtype"])
-        num_blocks = budget_bytes // per_block
+        num_blocks = budget_bytes // per_block - 1  # the scratch block
         if num_blocks < 1:
             raise ValueError(
                 f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds no block of {block_size} "
@@ -175,14 +185,17 @@ class PagedKVCache:
             seq_index += [row] * count
         width = max(len(self.tables[s]) for s in seq_ids)
         table = [self.tables[s] + [0] * (width - len(self.tables[s])) for s in seq_ids]
+        seq_lens = [self.lengths[s] for s in seq_ids]
         host = {
             "positions": torch.tensor(positions, dtype=torch.long),
             "slot_mapping": torch.tensor(slots, dtype=torch.long),
             "seq_index": torch.tensor(seq_index, dtype=torch.long),
             "block_table": torch.tensor(table, dtype=torch.int32),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "query_start": torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32),
         }
         device = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-        return AttentionMetadata(**device)
+        return AttentionMetadata(**device, max_query_len=max(num_new), max_seq_len=max(seq_lens))
 
     def update(
         self, layer: int, metadata: AttentionMetadata, k: Tensor, v: Tensor

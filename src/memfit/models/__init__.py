@@ -27,6 +27,12 @@ class Family:
     spec: Callable[[ModelConfig], Any]
     to_hf_state_dict: Callable[[Any], dict]
     load_hf_state_dict: Callable[[Any, dict], None]
+    hf_layout: Callable[[Any], dict]
+    """hf_layout(model) -> {memfit name: [(Hugging Face name, shape), ...]}, the parts each
+    tensor concatenates along dim 0; shapes only, so a meta-device model answers."""
+    check_hf_shapes: Callable[..., None]
+    """check_hf_shapes(model, {Hugging Face name: shape}, source=...) raises ValueError naming
+    missing, unexpected and mis-shaped tensors."""
 
 
 FAMILIES: dict[str, Callable[[], Family]] = {}
@@ -40,7 +46,15 @@ def _llama() -> Family:
         spec=llama.LlamaSpec,
         to_hf_state_dict=lambda *args: llama.to_hf_state_dict(*args),
         load_hf_state_dict=lambda *args: llama.load_hf_state_dict(*args),
+        hf_layout=lambda model: _llama_adapter().hf_layout(model),
+        check_hf_shapes=lambda *args, **kwargs: _llama_adapter().check_hf_shapes(*args, **kwargs),
     )
+
+
+def _llama_adapter():
+    from memfit.models.llama import state_dict
+
+    return state_dict
 
 
 FAMILIES["llama"] = _llama  # imported on first use: `memfit plan` needs no torch model code
@@ -62,6 +76,10 @@ def __getattr__(name: str):
         from memfit.models import llama
 
         return getattr(llama, name)
+    if name in ("GenerationDefaults", "PretrainedInfo", "PretrainedTokenizer", "load_pretrained"):
+        from memfit.models import loading  # torch and safetensors: imported on first use
+
+        return getattr(loading, name)
     raise AttributeError(f"module 'memfit.models' has no attribute {name!r}")
 
 
@@ -76,10 +94,14 @@ __all__ = [
     "FAMILIES",
     "PRESETS",
     "Family",
+    "GenerationDefaults",
     "ModelConfig",
+    "PretrainedInfo",
+    "PretrainedTokenizer",
     "build_model",
     "format_params",
     "from_hf_config",
     "get_family",
     "load_model_config",
+    "load_pretrained",
 ]

@@ -144,6 +144,26 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=13824,
         max_seq_len=4096,
     ),
+    # Llama 3.2 1B: 1.24B parameters, tied embeddings, 8 kv heads of 64, llama3 RoPE scaling.
+    "llama-3.2-1b": ModelConfig(
+        name="llama-3.2-1b",
+        vocab_size=128256,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_embeddings=True,
+    ),
     "llama-3-8b": ModelConfig(
         name="llama-3-8b",
         vocab_size=128256,

@@ -43,8 +43,11 @@ class AttentionMetadata:
         varlen flash kernel; None for padded batches.
     block_table, slot_mapping, seq_index: a paged KV cache's block table (sequences,
         max_blocks) int32, each token's slot in the block pool (tokens,) and each token's row of
-        the block table (tokens,); the step's tokens are then flattened into one row (batch 1).
-        None for the static cache.
+        the block table (tokens,); the step's tokens are then flattened into one row (batch 1),
+        sequence by sequence. None for the static cache.
+    seq_lens, query_start, max_query_len, max_seq_len: for the paged kernels, each sequence's
+        length after the step (sequences,) int32, where its tokens begin in the row (sequences +
+        1,) int32, and host-side bounds on both (they choose the kernel and its split count).
     """
 
     positions: Tensor
@@ -54,6 +57,10 @@ class AttentionMetadata:
     block_table: Tensor | None = None
     slot_mapping: Tensor | None = None
     seq_index: Tensor | None = None
+    seq_lens: Tensor | None = None
+    query_start: Tensor | None = None
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
     @classmethod
     def causal(cls, seqlen: int, device: torch.device | str, start: int = 0) -> AttentionMetadata:

@@ -47,6 +47,8 @@ reads head_dim with unit stride: an x whose last dimension is strided (rare; not
 is copied first. Outputs and input gradients are contiguous (batch, seq, heads, head_dim).
 """
 
+import functools
+import json
 import math
 
 import torch
@@ -452,6 +454,14 @@ def _inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> T
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
 
+@functools.cache
+def _device_inverse_frequencies(head_dim: int, theta: float, scaling: str, device) -> Tensor:
+    """The inverse frequencies on `device` (scaling: the rope_scaling dict as JSON), made once:
+    no host-to-device copy per forward (a copy from host memory is not allowed while a CUDA graph
+    captures a decode step)."""
+    return _inverse_frequencies(head_dim, theta, json.loads(scaling)).to(device)
+
+
 def rotary_cos_sin(
     positions: Tensor | int,
     head_dim: int,
@@ -499,7 +509,12 @@ def rotary_cos_sin(
             f"{positions!r}"
         )
 
-    inv_freq = _inverse_frequencies(head_dim, float(theta), scaling).to(device)  # (head_dim/2,)
+    if torch.compiler.is_compiling():  # traced into the graph: no cache to consult
+        inv_freq = _inverse_frequencies(head_dim, float(theta), scaling).to(device)
+    else:
+        inv_freq = _device_inverse_frequencies(
+            head_dim, float(theta), json.dumps(scaling, sort_keys=True), device
+        )  # (head_dim / 2,)
     freqs = positions[..., None].float() * inv_freq  # (..., seq, head_dim / 2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (..., seq, head_dim)
     return angles.cos(), angles.sin()

@@ -3,15 +3,19 @@ MistralForCausalLM, Qwen2ForCausalLM): one name map, read both ways.
 
 memfit fuses q, k and v into one `qkv` projection (rows q | k | v) and gate and up into one
 `gate_up` (rows gate | up); a memfit tensor maps to the Hugging Face tensors it concatenates
-along dim 0, in order. A tied model (no lm_head) ignores a checkpoint's lm_head.weight.
+along dim 0, in order. A tied model (no lm_head) ignores a checkpoint's lm_head.weight, and
+every model the rotary inv_freq buffers older checkpoints hold (`unused_hf_name`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from memfit.models.config import ModelConfig
+from memfit.models.loading import check_tensor_shapes
 
 # memfit name -> the Hugging Face names it concatenates (dim 0), in order
 _TOP = {
@@ -49,6 +53,46 @@ def _split_sizes(config: ModelConfig, name: str, rows: int) -> list[int]:
     return [rows]
 
 
+def hf_layout(model: torch.nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """memfit name -> the (Hugging Face name, shape) of each tensor it concatenates along dim 0,
+    in order. Reads shapes only, so a model on the meta device answers without memory: the
+    loader checks a checkpoint against it before it reads any weights."""
+    layout = {}
+    for name, tensor in model.state_dict().items():
+        rows = _split_sizes(model.config, name, tensor.shape[0])
+        layout[name] = [
+            (hf, (size, *tensor.shape[1:])) for hf, size in zip(hf_names(name), rows, strict=True)
+        ]
+    return layout
+
+
+def unused_hf_name(model: torch.nn.Module, name: str) -> bool:
+    """Whether checkpoint tensor `name` is one the model does without: the lm_head.weight of a
+    tied model (some checkpoints keep a copy of the embedding there) and the rotary inv_freq
+    buffers older transformers versions saved (memfit computes RoPE from the config)."""
+    return (model.lm_head is None and name == "lm_head.weight") or name.endswith(
+        "rotary_emb.inv_freq"
+    )
+
+
+def check_hf_shapes(
+    model: torch.nn.Module,
+    found: Mapping[str, Sequence[int]],
+    *,
+    source: str = "Hugging Face weights",
+) -> None:
+    """Raise ValueError naming the tensors `found` (Hugging Face name -> shape) lacks or has
+    beyond what `model` takes, and the shapes that differ."""
+    expected = {hf: shape for parts in hf_layout(model).values() for hf, shape in parts}
+    check_tensor_shapes(
+        expected,
+        found,
+        source=source,
+        target=f"model {model.config.name!r}",
+        ignore=lambda name: unused_hf_name(model, name),
+    )
+
+
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """This model's weights under Hugging Face's names, with qkv and gate_up split back."""
     out: dict[str, Tensor] = {}
@@ -60,22 +104,12 @@ def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
 
 def load_hf_state_dict(model: torch.nn.Module, hf_state: dict[str, Tensor]) -> None:
     """Load Hugging Face weights (names as in `to_hf_state_dict`) into `model`, fusing qkv and
-    gate_up. Raises ValueError listing missing or unexpected keys, or mismatched shapes."""
-    expected = to_hf_state_dict(model)
-    missing = sorted(set(expected) - set(hf_state))
-    ignored = {"lm_head.weight"} if model.lm_head is None else set()
-    unexpected = sorted(set(hf_state) - set(expected) - ignored)
-    if missing or unexpected:
-        raise ValueError(
-            f"Hugging Face weights do not match model {model.config.name!r}: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, tensor in expected.items():
-        if tuple(hf_state[name].shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: expected shape {tuple(tensor.shape)}, got {tuple(hf_state[name].shape)}"
-            )
+    gate_up. Raises ValueError listing missing or unexpected keys, or mismatched shapes.
+    (`memfit.models.loading.load_pretrained` reads a checkpoint directory tensor by tensor.)"""
+    check_hf_shapes(model, {name: tuple(tensor.shape) for name, tensor in hf_state.items()})
     model.load_state_dict(
-        {name: torch.cat([hf_state[hf] for hf in hf_names(name)]) for name in model.state_dict()}
+        {
+            name: torch.cat([hf_state[hf] for hf, _ in parts])
+            for name, parts in hf_layout(model).items()
+        }
     )

@@ -18,9 +18,13 @@ def _to_dtype(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _dot(a, b, acc, INTERPRET: tl.constexpr):
     """a @ b + acc with fp32 accumulation. Triton's interpreter multiplies bf16 operands wrongly
-    (it has no bf16 arithmetic); there the operands, already bf16 values, are widened first."""
+    (it has no bf16 arithmetic); there the operands, already bf16 values, are widened first. fp32
+    operands multiply in full fp32 ("ieee"), not Triton's default tf32, as PyTorch's own fp32
+    attention does (the paged kernels serve fp32 models too)."""
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 

@@ -1,0 +1,325 @@
+"""Inference benchmarks on one GPU, each competitor measured in the same process.
+
+    python benchmarks/inference.py                      # every part
+    python benchmarks/inference.py --parts kernel       # kernel, throughput, batch1 (any subset)
+
+- kernel: memfit's paged decode kernel (bf16, GQA 32/8 unless said, a random block table of
+  16-token blocks) against torch SDPA on a contiguous cache (`enable_gqa=True`), both as achieved
+  bandwidth: bytes = K and V read once; and the device-to-device copy bandwidth (bytes read +
+  written), the practical limit. Both kernels are timed replayed from CUDA graphs, as the
+  engine's decode step runs them (eager times, which include Python's launch cost, are kept
+  beside). `--sweep` times the kernel's launch configurations as well.
+- throughput: 256 requests, prompt lengths uniform in 64..512 (seeded), 256 new tokens each (no
+  early stop), llama-3.2-1b shapes with random bf16 weights: memfit's engine (`LLM.generate`)
+  against Hugging Face transformers' continuous batching (`generate_batch`, paged), both warm
+  (the second call is timed). Also the KV waste of memfit's run, sampled each step:
+  (slots of the allocated blocks - tokens stored) / slots of the allocated blocks.
+- batch1: one prompt of 128 tokens, 256 new tokens, tokens/s and time per token, against the
+  limit of reading the weights and the KV cache once per token at the measured copy bandwidth,
+  for llama-3.2-1b and llama-3-8b shapes.
+
+Results: benchmarks/results/inference.json (`--out DIR` elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+from memfit.ops.attention import paged as paged_ops  # noqa: E402
+
+GiB = 2**30
+KERNEL_CASES = [  # (batch, context, heads_q, heads_kv, head_dim)
+    (64, 4096, 32, 8, 128),
+    (16, 16384, 32, 8, 128),
+    (128, 2048, 32, 8, 64),
+    (1, 32768, 32, 8, 128),
+]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, counting the read and the write."""
+    src = torch.empty(GiB, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = harness.median(harness.time_calls(lambda: dst.copy_(src), warmup=3, repeat=20))
+    return 2 * GiB / seconds
+
+
+def graph_seconds(fn, calls: int = 20, repeat: int = 20) -> float:
+    """GPU seconds of one call of `fn`, replayed from a CUDA graph of `calls` calls: what the
+    engine's captured decode step pays, without Python's launch overhead (a 45 us kernel is
+    shorter than its launch from Python, so back-to-back eager calls would time the host)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return harness.median(harness.time_calls(graph.replay, warmup=3, repeat=repeat)) / calls
+
+
+def _paged_case(batch, context, heads_q, heads_kv, head_dim, page, device):
+    blocks_per_seq = -(-context // page)
+    num_blocks = batch * blocks_per_seq
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    table = torch.randperm(num_blocks, generator=generator).view(batch, blocks_per_seq)
+    shape = (num_blocks, page, heads_kv, head_dim)
+    key_pool = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    value_pool = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    q = torch.randn(batch, heads_q, head_dim, dtype=torch.bfloat16, device=device)
+    metadata = {
+        "block_table": table.to(device=device, dtype=torch.int32),
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
+        "query_start": torch.arange(batch + 1, dtype=torch.int32, device=device),
+        "max_query_len": 1,
+        "max_seq_len": context,
+    }
+    return q, key_pool, value_pool, table, metadata
+
+
+def kernel(device: torch.device, copy_bw: float, sweep: bool) -> list[dict]:
+    rows = []
+    for case in KERNEL_CASES:
+        rows.append(_kernel_case(*case, device=device, copy_bw=copy_bw, sweep=sweep))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _kernel_case(batch, context, heads_q, heads_kv, head_dim, *, device, copy_bw, sweep) -> dict:
+    q, key_pool, value_pool, table, metadata = _paged_case(
+        batch, context, heads_q, heads_kv, head_dim, 16, device
+    )
+    kv_bytes = 2 * batch * context * heads_kv * head_dim * 2
+    # SDPA on the same keys and values laid out contiguously (B, heads_kv, L, D)
+    k = key_pool[table.to(device)].flatten(1, 2).transpose(1, 2).contiguous()
+    v = value_pool[table.to(device)].flatten(1, 2).transpose(1, 2).contiguous()
+    q4 = q[:, :, None, :]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+    def memfit(splits=None):
+        return paged_ops.paged_attention(q, key_pool, value_pool, **metadata, num_splits=splits)
+
+    ref = sdpa()[:, :, 0].float()
+    err = (memfit().float() - ref).abs().max().item()
+    t_sdpa, t_memfit = graph_seconds(sdpa), graph_seconds(memfit)
+    eager_sdpa = harness.median(harness.time_calls(sdpa, warmup=5, repeat=50))
+    eager_memfit = harness.median(harness.time_calls(memfit, warmup=5, repeat=50))
+    row = {
+        "batch": batch, "context": context, "heads_q": heads_q, "heads_kv": heads_kv,
+        "head_dim": head_dim, "block_size": 16, "kv_bytes": kv_bytes,
+        "splits": paged_ops.decode_splits(batch, heads_kv, context, device),
+        "memfit_ms": t_memfit * 1e3, "sdpa_ms": t_sdpa * 1e3,
+        "memfit_tb_s": kv_bytes / t_memfit / 1e12, "sdpa_tb_s": kv_bytes / t_sdpa / 1e12,
+        "memfit_over_sdpa": t_sdpa / t_memfit, "memfit_of_copy": kv_bytes / t_memfit / copy_bw,
+        "max_abs_diff_vs_sdpa": err, "memfit_eager_ms": eager_memfit * 1e3,
+        "sdpa_eager_ms": eager_sdpa * 1e3,
+    }  # fmt: skip
+    if sweep:
+        row["sweep"] = _sweep(memfit, kv_bytes, batch, heads_kv, context, device)
+    print(
+        f"decode B={batch} L={context} D={head_dim}: memfit {row['memfit_tb_s']:.2f} TB/s "
+        f"({t_memfit * 1e3:.3f} ms, {row['splits']} splits), SDPA {row['sdpa_tb_s']:.2f} "
+        f"TB/s, ratio {row['memfit_over_sdpa']:.2f}, {row['memfit_of_copy']:.0%} of copy, "
+        f"max diff {err:.1e}",
+        flush=True,
+    )
+    return row
+
+
+def _sweep(memfit, kv_bytes, batch, heads_kv, context, device) -> list[dict]:
+    """Achieved TB/s of each (BLOCK_N, warps, stages) and split count around the default."""
+    block_d = 64 if memfit().shape[-1] <= 64 else 128
+    default = paged_ops.DECODE_CONFIGS[block_d]
+    base = paged_ops.decode_splits(batch, heads_kv, context, device)
+    out = []
+    try:
+        for config in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3),
+                       (64, 8, 3), (32, 2, 3), (128, 4, 2), (64, 2, 4)]:  # fmt: skip
+            paged_ops.DECODE_CONFIGS[block_d] = config
+            for splits in sorted({max(1, base // 2), base, base * 2, base * 4}):
+                seconds = graph_seconds(lambda s=splits: memfit(s), calls=10, repeat=10)
+                out.append({"config": config, "splits": splits, "tb_s": kv_bytes / seconds / 1e12})
+    finally:
+        paged_ops.DECODE_CONFIGS[block_d] = default
+    best = max(out, key=lambda r: r["tb_s"])
+    print(f"  sweep best: {best}", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def throughput(device: torch.device, requests: int, new_tokens: int) -> dict:
+    from memfit.inference import LLM, SamplingParams
+
+    prompts = _prompts(requests, 64, 512, 128256)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    llm = LLM("llama-3.2-1b", device=device)
+    llm.generate(prompts[:8], params, progress=False)  # warm-up: kernels compiled, graphs made
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, progress=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    stats = llm.last_stats
+    memfit = {
+        "tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB, "steps": stats["steps"],
+        "preemptions": stats["preemptions"], "kv_waste_mean": stats["kv_waste_mean"],
+        "kv_blocks_peak": stats["kv_blocks_peak"], "kv_blocks": stats["kv_blocks"],
+    }  # fmt: skip
+    print(
+        f"memfit engine: {memfit['tokens_per_s']:,.0f} tokens/s ({generated} tokens in "
+        f"{seconds:.2f} s), KV waste {memfit['kv_waste_mean']:.2%}, peak {memfit['peak_gib']:.1f} "
+        f"GiB, {memfit['preemptions']} preemptions",
+        flush=True,
+    )
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = _hf_generate_batch(prompts, new_tokens, device)
+    return {"requests": requests, "new_tokens": new_tokens, "memfit": memfit, "hf": hf,
+            "speedup": memfit["tokens_per_s"] / hf["tokens_per_s"]}  # fmt: skip
+
+
+def _hf_generate_batch(prompts, new_tokens, device) -> dict:
+    import transformers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from memfit.models import PRESETS
+
+    shape = PRESETS["llama-3.2-1b"]
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.max_seq_len,
+        rms_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta,
+        rope_scaling=shape.rope_scaling, tie_word_embeddings=shape.tie_embeddings,
+    )  # fmt: skip
+    torch.set_default_dtype(torch.bfloat16)  # built straight in bf16, as memfit's model is
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    try:  # its paged cache's attention (generate_batch also switches to it on its own)
+        model.set_attn_implementation("sdpa_paged")
+    except (AttributeError, ValueError) as error:
+        print(f"HF: could not select sdpa_paged up front ({error})", flush=True)
+    generation = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    model.generate_batch(prompts[:8], generation_config=generation, progress_bar=False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    outputs = model.generate_batch(prompts, generation_config=generation, progress_bar=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.generated_tokens) for o in outputs.values())
+    result = {
+        "tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+        "transformers": transformers.__version__,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }  # fmt: skip
+    print(f"HF generate_batch: {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def batch1(device: torch.device, copy_bw: float, presets: list[str], new_tokens: int) -> list:
+    from memfit.inference import LLM, SamplingParams
+    from memfit.models import PRESETS
+
+    rows = []
+    for name in presets:
+        config = PRESETS[name]
+        llm = LLM(name, device=device)
+        prompt = _prompts(1, 128, 128, config.vocab_size)
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True), progress=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompt, params, progress=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        # time per decode token from the engine's own clock (the prefill step excluded)
+        per_token = llm.last_stats["decode_seconds"] / max(llm.last_stats["decode_steps"], 1)
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+        kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+        mean_context = 128 + new_tokens / 2
+        limit_s = (weight_bytes + kv_per_token * mean_context) / copy_bw
+        row = {
+            "model": name, "prompt": 128, "new_tokens": new_tokens,
+            "tokens_per_s": 1 / per_token, "ms_per_token": per_token * 1e3,
+            "end_to_end_tokens_per_s": new_tokens / seconds, "weight_bytes": weight_bytes,
+            "limit_ms_per_token": limit_s * 1e3, "of_limit": limit_s / per_token,
+        }  # fmt: skip
+        print(
+            f"batch-1 decode {name}: {row['tokens_per_s']:.1f} tokens/s, {per_token * 1e3:.3f} "
+            f"ms/token, limit {limit_s * 1e3:.3f} ms: {row['of_limit']:.0%} of the bandwidth limit",
+            flush=True,
+        )
+        rows.append(row)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", default=["kernel", "throughput", "batch1"])
+    parser.add_argument("--sweep", action="store_true", help="time kernel configurations too")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--batch1-models", nargs="+", default=["llama-3.2-1b", "llama-3-8b"])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/inference.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    run = {"environment": harness.environment()}
+    copy_bw = copy_bandwidth(device)
+    run["copy_tb_s"] = copy_bw / 1e12
+    print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
+    if "kernel" in args.parts:
+        run["kernel"] = kernel(device, copy_bw, args.sweep)
+    if "throughput" in args.parts:
+        run["throughput"] = throughput(device, args.requests, args.new_tokens)
+    if "batch1" in args.parts:
+        run["batch1"] = batch1(device, copy_bw, args.batch1_models, args.new_tokens)
+    if args.out is not None:
+        harness.RESULTS = args.out
+    print(f"results: {harness.append_results('inference', run)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The offline API: a model, its tokenizer, a paged KV cache sized to the GPU and the engine, in
+one object, in the shape people know from vLLM.
+
+    from memfit.inference import LLM, SamplingParams
+
+    llm = LLM("path/to/hf-checkpoint")            # or a memfit checkpoint, or a preset name
+    for out in llm.generate(["The capital of France is"], SamplingParams(max_tokens=32)):
+        print(out.text)
+
+The KV pool takes what is left of `memory_fraction` of the GPU after the weights and the
+largest step's activations (memfit.planner.serve plans the same numbers, `memfit plan --serve`
+prints them). A preset name builds that shape with random weights (seeded), for benchmarks and
+tests; its prompts are token ids, there being no tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memfit.inference.engine import Engine
+from memfit.inference.paged_cache import PagedKVCache
+from memfit.inference.sampling_params import SamplingParams
+
+GiB = 2**30
+CPU_KV_BYTES = 256 * 2**20
+"""The KV pool on a CPU, where there is no device memory to fill (kv_cache_bytes sets another)."""
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    """"stop" (a stop token or string) or "length" (max_tokens)."""
+    logprobs: list[float] | None = None
+
+
+def _build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int):
+    """A preset's model with random weights, made on the meta device and allocated straight in
+    `dtype` (no fp32 copy)."""
+    from memfit.models import PRESETS, get_family
+
+    config = PRESETS[name]
+    model = get_family(config.family).build(config, device="meta").to(dtype)
+    model.to_empty(device=device)
+    model.init_weights(torch.Generator(device=device).manual_seed(seed))
+    return model.eval(), None
+
+
+def _load(model: str | os.PathLike, device: torch.device, dtype: torch.dtype, seed: int):
+    from memfit.models import PRESETS
+
+    if isinstance(model, str) and model in PRESETS:
+        return _build_preset(model, device, dtype, seed)
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no checkpoint found at {str(model)!r}, and it is no model preset either "
+            f"({', '.join(PRESETS)})"
+        )
+    from memfit.models.loading import load_pretrained
+
+    loaded, info = load_pretrained(path, device=device, dtype=dtype)
+    return loaded.eval(), info
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | None = None,
+        memory_fraction: float = 0.9,
+        kv_cache_bytes: int | None = None,
+        block_size: int = 16,
+        max_seq_len: int | None = None,
+        max_step_tokens: int = 2048,
+        max_running: int = 256,
+        cuda_graphs: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        """model: a Hugging Face checkpoint directory, a memfit checkpoint, or a preset name.
+        dtype: bf16, fp16 or fp32 (default bf16 on CUDA, fp32 on a CPU). memory_fraction: of the
+        GPU's memory, for weights, activations and the KV pool together (vLLM's
+        gpu_memory_utilization); kv_cache_bytes instead sets the pool directly (on a CPU:
+        CPU_KV_BYTES by default). max_seq_len: the longest prompt + output a request may reach
+        (default: the model's context). cuda_graphs: capture decode steps (default: on CUDA)."""
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        torch_dtype = _DTYPES[dtype]
+        self.model, self.info = _load(model, self.device, torch_dtype, seed)
+        self.config = self.model.config
+        self.tokenizer = getattr(self.info, "tokenizer", None)
+        self.block_size = block_size
+        max_seq_len = max_seq_len or self.config.max_seq_len
+        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if kv_cache_bytes is None:
+            kv_cache_bytes = (
+                self._kv_budget(memory_fraction, max_step_tokens, max_running, max_seq_len, graphs)
+                if self.device.type == "cuda"
+                else CPU_KV_BYTES
+            )
+        self.cache = PagedKVCache.from_budget(
+            self.config,
+            kv_cache_bytes,
+            block_size=block_size,
+            dtype=torch_dtype,
+            device=self.device,
+        )
+        self.engine = Engine(
+            self.model, self.cache, max_step_tokens=max_step_tokens, max_running=max_running,
+            max_seq_len=max_seq_len, cuda_graphs=graphs, seed=seed,
+            decode=self.tokenizer.decode if self.tokenizer is not None else None,
+        )  # fmt: skip
+        self.last_stats: dict = {}
+
+    def _kv_budget(
+        self, fraction: float, max_step_tokens: int, max_running: int, seq_len: int, graphs: bool
+    ) -> int:
+        """The pool `memfit plan --serve` plans (memfit.planner.serve) on this GPU, less whatever
+        this process holds beyond the planned weights (another model, the caller's tensors)."""
+        from memfit.planner.serve import plan_serve
+
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        plan = plan_serve(
+            self.config, total, dtype=next(self.model.parameters()).dtype,
+            block_size=self.block_size, memory_fraction=fraction,
+            max_step_tokens=max_step_tokens, max_running=max_running, seq_len=seq_len,
+            cuda_graph_batch_sizes=None if graphs else (),
+        ).check_fits()  # fmt: skip
+        extra = max(torch.cuda.memory_allocated(self.device) - plan.weights_bytes, 0)
+        budget = plan.kv_pool_bytes - extra
+        if budget <= 0:
+            raise ValueError(
+                f"memory_fraction {fraction} of {total / GiB:.1f} GiB leaves no room for a KV "
+                f"cache: this process already holds {extra / GiB:.2f} GiB beyond the weights"
+            )
+        return budget
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "this model has no tokenizer (a preset with random weights): give prompts as "
+                    "lists of token ids"
+                )
+            ids = self.tokenizer.encode(prompt)
+            if not ids:  # an empty prompt starts a fresh document
+                start = self.tokenizer.bos_id
+                ids = [start if start is not None else self.tokenizer.eos_id]
+            return ids
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        progress: bool = True,
+    ) -> list[RequestOutput]:
+        """Every prompt (text, or a list of token ids) through the engine, continuously batched;
+        their outputs in the order given. `params`: one for all, or one per prompt."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise ValueError("generate needs at least one prompt")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params)} SamplingParams")
+        eos = self.info.generation.eos_token_ids if self.info is not None else ()
+        engine = self.engine
+        ids = [self._encode(p) for p in batch]
+        params = [p if p.ignore_eos or not eos else p.with_stop_tokens(eos) for p in params]
+        for prompt, p in zip(ids, params, strict=True):  # every request, before any joins
+            engine.check(prompt, p)
+        request_ids = [engine.add(prompt, p) for prompt, p in zip(ids, params, strict=True)]
+        before = (engine.steps, engine.preemptions, engine.decode_steps, engine.decode_seconds)
+        waste_from = len(engine.waste_samples)
+        engine.peak_blocks = 0
+        start = time.perf_counter()
+        if progress:
+            self._run_with_progress(request_ids)
+        else:
+            engine.run()
+        seconds = time.perf_counter() - start
+        outputs = []
+        for request_id, prompt, prompt_ids in zip(request_ids, batch, ids, strict=True):
+            request = engine.requests[request_id]
+            text = request.text  # cut at a stop string
+            if text is None and self.tokenizer is not None:
+                text = self._continuation(request.prompt, request.output)
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=request.output,
+                    text=text,
+                    finish_reason=request.finish_reason,
+                    logprobs=request.logprobs,
+                )  # fmt: skip
+            )
+        waste = engine.waste_samples[waste_from:]
+        generated = sum(len(o.token_ids) for o in outputs)
+        self.last_stats = {
+            "requests": len(outputs), "generated_tokens": generated, "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+            "steps": engine.steps - before[0], "preemptions": engine.preemptions - before[1],
+            "decode_steps": engine.decode_steps - before[2],
+            "decode_seconds": engine.decode_seconds - before[3],
+            "kv_blocks": self.cache.pool.num_blocks, "kv_blocks_peak": engine.peak_blocks,
+            "kv_waste_mean": sum(waste) / len(waste) if waste else 0.0,
+        }  # fmt: skip
+        return outputs
+
+    def _continuation(self, prompt: list[int], output: list[int]) -> str:
+        """The output's text as it continues the prompt: decoded after the prompt's last tokens
+        and cut after their text, so a leading space or a character split across the boundary
+        comes out as the stop-string checker (memfit.inference.sampling) makes it."""
+        context = prompt[-4:]
+        return self.tokenizer.decode(context + output)[len(self.tokenizer.decode(context)) :]
+
+    def _run_with_progress(self, request_ids: list[int]) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        engine = self.engine
+        columns = (
+            TextColumn("generating"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+        )  # fmt: skip
+        start = time.perf_counter()
+        with Progress(*columns, transient=True) as bar:
+            task = bar.add_task("generating", total=len(request_ids), rate="")
+            while engine.waiting or engine.running:
+                engine.step()
+                if engine.steps % 8 == 0 or not (engine.waiting or engine.running):
+                    done = sum(engine.requests[i].finished for i in request_ids)
+                    tokens = sum(len(engine.requests[i].output) for i in request_ids)
+                    rate = f"{tokens / (time.perf_counter() - start):,.0f} tok/s"
+                    bar.update(task, completed=done, rate=rate)

@@ -1,0 +1,405 @@
+"""Attention over a paged KV cache in Triton: the decode kernel (one new token per sequence, with
+a split-K path) and the chunk kernel (new tokens of each sequence against its cached prefix and
+themselves, causal: prefill, chunked prefill and mixed steps).
+
+The cache (memfit.inference.PagedKVCache) keeps one layer's keys and values as pools
+(num_blocks, PAGE, heads_kv, head_dim); sequence s finds token j at block block_table[s, j //
+PAGE], offset j % PAGE. A tile of BLOCK_N keys is gathered token by token through the table, so
+any page size and any block ids (non-contiguous, shared) work, and a tile may span pages.
+
+GQA. A program owns one key/value head and all GROUP query heads that share it: its rows are
+(query token, head of the group) pairs, so each key/value tile is read once for the whole group
+and multiplied as one matrix product (the group is padded to a power of two; a decode program
+pads it to 16 rows, the smallest matrix product, which costs nothing in a memory-bound kernel).
+
+Decode (Dao et al. 2023, "Flash-Decoding"): one program per (sequence, kv head) leaves most SMs
+idle when there are few sequences (batch 1 at 32k: 8 programs on 132 SMs). The context is then
+cut into `num_splits` ranges, one program each, that write an unnormalized partial output with
+its running max and sum (fp32); a second kernel merges them:
+
+    M = max_i m_i,  w_i = exp2(m_i - M),  out = sum_i w_i acc_i / sum_i w_i l_i
+
+The chunk kernel's programs own BLOCK_Q query tokens of one sequence; program i finds its
+sequence by a binary search over `query_start` (each sequence is given query_start[s] // BLOCK_Q
++ s as its first program, an upper bound on the blocks before it, so no host-side map is needed
+and the grid depends only on the number of tokens and sequences).
+
+Masks: the query at position p (its sequence's length minus the tokens after it in the step)
+sees keys j <= p, and with a sliding window W only j > p - W; a program visits only the keys of
+its rows' union of windows, so sliding-window models read only their window's blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from memfit.ops._triton import interpreter_enabled, launch, tl, triton
+from memfit.ops.attention.tiles import _dot, _load_tile, _to_dtype
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def _attend_pages(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    table_row,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    lo,
+    hi,
+    row_pos,
+    row_first,
+    offs_d,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The online softmax of the rows of q over keys [lo, hi) of one sequence, gathered through
+    its block-table row; row r sees keys row_first[r] <= j <= row_pos[r]. K and V point at the
+    program's kv head."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        col_ok = cols < hi
+        page = tl.load(table_row + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+        within = cols % PAGE
+        k_ptrs = K + (page * stride_kb + within * stride_kt)[:, None] + offs_d[None, :]
+        k = _load_tile(k_ptrs, col_ok, d_ok, True, HEAD_DIM, BLOCK_D)
+        qk = _dot(q, tl.trans(k), None, INTERPRET)
+        keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] >= row_first[:, None])
+        qk = tl.where(keep & col_ok[None, :], qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        # a row that has seen no key yet keeps m = -inf; subtract 0 instead (no -inf - -inf)
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = V + (page * stride_vb + within * stride_vt)[:, None] + offs_d[None, :]
+        v = _load_tile(v_ptrs, col_ok, d_ok, True, HEAD_DIM, BLOCK_D)
+        acc = _dot(_to_dtype(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    PartAcc,
+    PartM,
+    PartL,
+    block_table,
+    seq_lens,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    qk_scale,
+    window,
+    chunk,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen = tl.load(seq_lens + seq)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    d_ok = offs_d[None, :] < HEAD_DIM
+    q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok, other=0.0)
+
+    pos = seqlen - 1
+    first = tl.maximum(pos - window + 1, 0)
+    lo = tl.maximum(split * chunk, first)
+    hi = tl.minimum(split * chunk + chunk, seqlen)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    row_pos = tl.full([GROUP_PAD], 0, dtype=tl.int32) + pos
+    row_first = tl.full([GROUP_PAD], 0, dtype=tl.int32) + first
+    acc, l_i, m_i = _attend_pages(
+        acc, l_i, m_i, q,
+        K + kv_head * stride_kh, V + kv_head * stride_vh, block_table + seq * stride_table,
+        stride_kb, stride_kt, stride_vb, stride_vt, lo, hi, row_pos, row_first, offs_d,
+        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, INTERPRET,
+    )  # fmt: skip
+    if SPLIT:
+        # partials of (sequence, head, split), laid out (sequences, heads_q, splits[, BLOCK_D])
+        row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(PartM + row, m_i, mask=g_ok)
+        tl.store(PartL + row, l_i, mask=g_ok)
+        tl.store(PartAcc + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
+    else:
+        out = _to_dtype(acc / tl.where(g_ok, l_i, 1.0)[:, None], Out.dtype.element_ty, INTERPRET)
+        o_ptrs = Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out, mask=g_ok[:, None] & d_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Out,
+    PartAcc,
+    PartM,
+    PartL,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One program per (sequence, query head): merge the split partials (empty splits have
+    m = -inf, l = 0 and weigh nothing)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    row = (seq * tl.num_programs(1) + head) * num_splits + offs_s
+    m = tl.load(PartM + row, mask=s_ok, other=float("-inf"))
+    lse = tl.load(PartL + row, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    weight = tl.where(s_ok & (m > float("-inf")), tl.math.exp2(m - m_max), 0.0)
+    acc = tl.load(PartAcc + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(lse * weight, 0)
+    o_ptrs = Out + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, _to_dtype(out, Out.dtype.element_ty, INTERPRET), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _chunk_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    block_table,
+    seq_lens,
+    query_start,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # the sequence: the last s whose first program query_start[s] // BLOCK_Q + s is <= pid
+    low = 0
+    high = num_seqs
+    while low + 1 < high:
+        mid = (low + high) // 2
+        if tl.load(query_start + mid) // BLOCK_Q + mid <= pid:
+            low = mid
+        else:
+            high = mid
+    seq = low
+    q_begin = tl.load(query_start + seq)
+    q_len = tl.load(query_start + seq + 1) - q_begin
+    local = pid - (q_begin // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    seqlen = tl.load(seq_lens + seq)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    token = local * BLOCK_Q + offs_m // GROUP_PAD  # within the sequence's new tokens
+    g = offs_m % GROUP_PAD
+    row_ok = (token < q_len) & (g < GROUP)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    rows = (q_begin + token).to(tl.int64)
+    heads = kv_head * GROUP + g
+    q_ptrs = Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+
+    row_pos = seqlen - q_len + token
+    row_first = tl.maximum(row_pos - window + 1, 0)
+    first_token = local * BLOCK_Q
+    last_token = tl.minimum(first_token + BLOCK_Q, q_len) - 1
+    lo = tl.maximum(seqlen - q_len + first_token - window + 1, 0)
+    hi = seqlen - q_len + last_token + 1
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_pages(
+        acc, l_i, m_i, q,
+        K + kv_head * stride_kh, V + kv_head * stride_vh, block_table + seq * stride_table,
+        stride_kb, stride_kt, stride_vb, stride_vt, lo, hi, row_pos, row_first, offs_d,
+        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, INTERPRET,
+    )  # fmt: skip
+    out = _to_dtype(acc / tl.where(row_ok, l_i, 1.0)[:, None], Out.dtype.element_ty, INTERPRET)
+    o_ptrs = Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+# Decode, per padded head dim: (BLOCK_N, num_warps, num_stages), from a sweep on an H100 (bf16,
+# triton 3.6; `benchmarks/inference.py --sweep`): 97-99% of the copy bandwidth at B=64 L=4096
+# (D=128) and 95% at B=128 L=2048 (D=64). Chunk: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N,
+# num_warps, num_stages).
+DECODE_CONFIGS = {64: (32, 2, 3), 128: (64, 4, 3)}
+CHUNK_CONFIG = (64, 64, 4, 2)
+_INTERPRET_BLOCK_N = 16
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so tests cover the merge
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_seqs: int, heads_kv: int, max_seq_len: int, device: torch.device) -> int:
+    """How many ranges to cut each sequence's context into: enough programs for two per SM,
+    each range at least 256 keys (a shorter one costs more in the merge than it saves)."""
+    programs = num_seqs * heads_kv
+    wanted = -(-2 * _num_sms(device) // programs)
+    return max(1, min(wanted, -(-max_seq_len // 256), 128))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(x, 1) - 1).bit_length()
+
+
+def paged_attention(
+    q: Tensor,
+    key_pool: Tensor,
+    value_pool: Tensor,
+    *,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start: Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Causal attention of a step's new tokens over a paged cache that already holds them.
+
+    q: (tokens, heads_q, head_dim), the step's tokens sequence by sequence; key_pool, value_pool:
+    (num_blocks, page, heads_kv, head_dim) of one layer; block_table: (sequences, max_blocks)
+    int32; seq_lens: (sequences,) int32, each sequence's length after this step; query_start:
+    (sequences + 1,) int32, where each sequence's tokens begin in q; max_query_len and
+    max_seq_len: host-side bounds (they pick the kernel and the split count; a CUDA graph
+    captures them, so pass the largest a captured step may see). Returns (tokens, heads_q,
+    head_dim) in q's dtype. A step of decodes only (max_query_len 1) runs the decode kernel,
+    split `num_splits` ways (default: `decode_splits`); any other the chunk kernel.
+    """
+    tokens, heads_q, head_dim = q.shape
+    _, page, heads_kv, _ = key_pool.shape
+    num_seqs = block_table.shape[0]
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
+    if key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("paged_attention needs the head dim contiguous in q and the pools")
+    if page & (page - 1):
+        raise ValueError(f"the block size must be a power of two, got {page}")
+    group = heads_q // heads_kv
+    block_d = _next_pow2(head_dim)
+    scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * LOG2E
+    window = NO_WINDOW if window is None else window
+    out = torch.empty_like(q)
+    interpret = interpreter_enabled()
+    common = (q.stride(0), q.stride(1), *key_pool.stride()[:3], *value_pool.stride()[:3])
+    common += (out.stride(0), out.stride(1), block_table.stride(0), scale, window)
+    if max_query_len == 1 and tokens == num_seqs:
+        if interpret:
+            block_n, warps, stages = _INTERPRET_BLOCK_N, 1, 1
+        else:
+            block_n, warps, stages = DECODE_CONFIGS.get(block_d, DECODE_CONFIGS[128])
+        splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
+        chunk = -(-max_seq_len // splits)
+        chunk = -(-chunk // block_n) * block_n
+        part = {}
+        if splits > 1:
+            rows = num_seqs * heads_q * splits
+            part["acc"] = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
+            part["m"] = torch.empty(rows, dtype=torch.float32, device=q.device)
+            part["l"] = torch.empty(rows, dtype=torch.float32, device=q.device)
+        acc, m, lse = part.get("acc", out), part.get("m", out), part.get("l", out)
+        launch(
+            _decode_kernel, (num_seqs, heads_kv, splits), q.device,
+            q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, *common, chunk,
+            splits, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, INTERPRET=interpret,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        if splits > 1:
+            launch(
+                _merge_splits_kernel, (num_seqs, heads_q), q.device,
+                out, acc, m, lse, out.stride(0), out.stride(1), splits,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(16, _next_pow2(splits)),
+                INTERPRET=interpret,
+            )  # fmt: skip
+        return out
+    if interpret:
+        block_m, block_n, warps, stages = 16, _INTERPRET_BLOCK_N, 1, 1
+    else:
+        block_m, block_n, warps, stages = CHUNK_CONFIG
+    group_pad = _next_pow2(group)
+    block_q = max(block_m // group_pad, 1)
+    grid = (-(-tokens // block_q) + num_seqs, heads_kv)
+    launch(
+        _chunk_kernel, grid, q.device,
+        q, key_pool, value_pool, out, block_table, seq_lens, query_start, num_seqs, *common,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=block_n, PAGE=page, INTERPRET=interpret, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,51 @@
+"""The engine on a GPU (the CPU twin is test_engine.py): the Triton paged kernels and decode
+steps replayed from CUDA graphs give the greedy tokens of full recompute for a mixed batch, with
+a roomy pool and with one so small that sequences are preempted; the offline LLM API sizes its
+pool from the GPU and reports its stats."""
+
+import pytest
+import torch
+
+from memfit.inference import LLM, Engine, PagedKVCache, SamplingParams
+from memfit.models import PRESETS, build_model
+from tests.inference.test_engine import full_recompute, prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize(("num_blocks", "max_step_tokens"), [(64, 2048), (7, 6)])
+def test_graphs_and_kernels_match_full_recompute(num_blocks, max_step_tokens):
+    model = build_model(PRESETS["tiny"], device="cuda", seed=0).eval()
+    steps, lengths = 12, (3, 9, 5, 11, 1, 17)
+    cache = PagedKVCache(
+        model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cuda"
+    )
+    engine = Engine(
+        model, cache, max_step_tokens=max_step_tokens, max_running=8, max_seq_len=64,
+        cuda_graphs=True,
+    )  # fmt: skip
+    batch = prompts(lengths)
+    for prompt in batch:
+        engine.add(prompt, SamplingParams(max_tokens=steps))
+    outputs = engine.run()
+    for prompt, got in zip(batch, outputs, strict=True):
+        assert got == full_recompute(model, prompt, steps)
+    assert engine.decode_steps > 0
+    assert (engine.preemptions > 0) == (num_blocks == 7)
+    assert cache.pool.num_free == num_blocks and not cache.tables
+
+
+def test_llm_on_a_preset_fills_the_gpu_and_reports():
+    llm = LLM("tiny", memory_fraction=0.3, max_running=16)
+    total = torch.cuda.get_device_properties(0).total_memory
+    pool = llm.cache.keys.numel() * llm.cache.keys.element_size() * 2
+    assert 0.2 * total < pool < 0.3 * total
+    outputs = llm.generate(prompts((5, 30, 2)), SamplingParams(max_tokens=20), progress=False)
+    assert [len(o.token_ids) for o in outputs] == [20, 20, 20]
+    assert all(o.finish_reason == "length" for o in outputs)
+    stats = llm.last_stats
+    assert stats["generated_tokens"] == 60 and stats["decode_steps"] > 0
+    assert 0 <= stats["kv_waste_mean"] < 1

@@ -1,0 +1,83 @@
+"""The offline API over real checkpoints: a model saved by transformers generates, through the
+paged engine, the greedy tokens of transformers' own model recomputed in full; text prompts,
+stop strings, log-probs and the end-of-sequence tokens of generation_config.json; bad requests
+fail before anything runs, with the numbers."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from memfit.inference import LLM, SamplingParams
+from tests.models.test_loading import TINY, _save_transformers_model
+
+
+def _write_tokenizer(directory) -> None:
+    """A word-level tokenizer with a word for every id of the tiny vocabulary."""
+    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2, "[UNK]": 3}
+    vocab |= {f"w{i}": i for i in range(4, TINY["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<s>", "</s>", "<|eot|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def hf_greedy(model, prompt, steps):
+    """transformers' model, the whole sequence recomputed for each token: (tokens, logprobs)."""
+    sequence, logprobs = torch.tensor([prompt]), []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(sequence).logits[0, -1].float()
+        token = int(logits.argmax())
+        logprobs.append(float(logits.log_softmax(-1)[token]))
+        sequence = torch.cat([sequence, torch.tensor([[token]])], dim=1)
+    return sequence[0, len(prompt) :].tolist(), logprobs
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral-window-sharded", "qwen2-qkv-bias"])
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, case):
+    hf = _save_transformers_model(tmp_path, case)
+    llm = LLM(tmp_path, device="cpu", dtype="fp32", block_size=4)
+    prompts = [[5, 17, 3], list(range(20, 31)), [7]]
+    params = SamplingParams(max_tokens=8, logprobs=True, ignore_eos=True)
+    outputs = llm.generate(prompts, params, progress=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, logprobs = hf_greedy(hf, prompt, 8)
+        assert out.token_ids == tokens and out.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs))
+
+
+def test_text_prompts_stop_strings_and_eos(tmp_path):
+    _save_transformers_model(tmp_path, "llama")
+    _write_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    llm = LLM(tmp_path, device="cpu", dtype="fp32")
+    free = llm.generate("w4 w5", SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    words = free.text.split()
+    assert free.prompt == "w4 w5" and len(free.token_ids) == 12 and words
+    stop = words[min(2, len(words) - 1)]
+    cut = llm.generate("w4 w5", SamplingParams(max_tokens=12, stop=[stop]))[0]
+    assert stop not in cut.text and free.text.startswith(cut.text)
+    assert cut.finish_reason == "stop"
+    # the checkpoint's end tokens stop a request that does not ignore them
+    eos = llm.generate("w4", SamplingParams(max_tokens=40))[0]
+    assert 1 not in eos.token_ids and 2 not in eos.token_ids
+
+
+def test_bad_requests_fail_before_anything_runs(tmp_path):
+    _save_transformers_model(tmp_path, "llama")
+    llm = LLM(tmp_path, device="cpu", dtype="fp32", max_seq_len=64)
+    with pytest.raises(ValueError, match="60 tokens \\+ max_tokens 16 = 76 tokens exceeds"):
+        llm.generate([[1, 2], list(range(60))], SamplingParams())
+    assert not llm.engine.waiting and not llm.engine.running  # the good prompt did not start
+    with pytest.raises(ValueError, match="prompt token 97 is not a token id"):
+        llm.generate([[1, 97]])
+    with pytest.raises(ValueError, match="top_q"):
+        SamplingParams(top_q=0.9)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text without a tokenizer")
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[1, 2]], SamplingParams(stop=["x"]))
+    with pytest.raises(FileNotFoundError, match="no checkpoint found"):
+        LLM(tmp_path / "absent", device="cpu")

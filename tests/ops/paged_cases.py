@@ -1,0 +1,82 @@
+"""Shared checks of the paged attention kernels, run on CPU under Triton's interpreter
+(test_paged_attention.py) and on a GPU at real shapes (test_paged_attention_gpu.py): random block
+tables with shuffled, non-contiguous block ids, against plain attention over each sequence's
+gathered keys in fp64 and in the kernel's precision."""
+
+import torch
+
+from memfit.ops.attention.paged import paged_attention
+from tests.reference import assert_error_within
+
+
+def make_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, seed=0):
+    """A step: sequence s has context_lens[s] tokens in the cache after the step, the last
+    query_lens[s] of them new. Returns (q, key_pool, value_pool, metadata kwargs)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    pages = [-(-n // page) for n in context_lens]
+    num_blocks = sum(pages) + 3  # a few blocks nobody uses
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    table = torch.zeros(len(context_lens), max(pages), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(pages):
+        table[s, :n] = torch.tensor(order[used : used + n], dtype=torch.int32)
+        used += n
+
+    def make(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    key_pool = make(num_blocks, page, heads_kv, head_dim)
+    value_pool = make(num_blocks, page, heads_kv, head_dim)
+    q = make(sum(query_lens), heads_q, head_dim)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    metadata = {
+        "block_table": table.to(device),
+        "seq_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
+        "query_start": starts.to(device),
+        "max_query_len": max(query_lens),
+        "max_seq_len": max(context_lens),
+    }
+    return q, key_pool, value_pool, metadata
+
+
+def paged_reference(q, key_pool, value_pool, metadata, *, window=None, dtype=torch.float64):
+    """Each sequence's keys gathered through its table, each query attending causally (and
+    within the window) in `dtype`: fp64 is exact, the kernel's dtype is PyTorch's own error
+    (matrix products in that dtype, softmax in fp32, as SDPA's math does)."""
+    heads_q, heads_kv = q.shape[1], key_pool.shape[2]
+    page = key_pool.shape[1]
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    starts = metadata["query_start"].tolist()
+    for s, length in enumerate(metadata["seq_lens"].tolist()):
+        blocks = metadata["block_table"][s, : -(-length // page)].long()
+        keys = key_pool[blocks].flatten(0, 1)[:length].to(dtype)  # (length, nkv, hs)
+        values = value_pool[blocks].flatten(0, 1)[:length].to(dtype)
+        rows = slice(starts[s], starts[s + 1])
+        queries = q[rows].to(dtype)  # (n, nh, hs)
+        n = queries.shape[0]
+        positions = torch.arange(length - n, length, device=q.device)
+        j = torch.arange(length, device=q.device)
+        allowed = j[None, :] <= positions[:, None]
+        if window is not None:
+            allowed &= j[None, :] > positions[:, None] - window
+        keys = keys.repeat_interleave(heads_q // heads_kv, dim=1)
+        values = values.repeat_interleave(heads_q // heads_kv, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", queries, keys) * q.shape[-1] ** -0.5
+        scores = scores.float() if dtype != torch.float64 else scores
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = scores.softmax(-1).to(dtype)
+        out[rows] = torch.einsum("hnm,mhd->nhd", probs, values)
+    return out
+
+
+def check_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, *,
+                window=None, num_splits=None, floor=1e-6, seed=0):  # fmt: skip
+    q, key_pool, value_pool, metadata = make_paged(
+        query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, seed
+    )
+    out = paged_attention(q, key_pool, value_pool, **metadata, window=window, num_splits=num_splits)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    exact = paged_reference(q, key_pool, value_pool, metadata, window=window)
+    baseline = paged_reference(q, key_pool, value_pool, metadata, window=window, dtype=dtype)
+    assert_error_within(out, baseline, exact, name="out", floor=floor)
+    return out

@@ -1,0 +1,60 @@
+"""Paged attention kernels under Triton's interpreter at small shapes (the GPU twin,
+test_paged_attention_gpu.py, runs real lengths): decode with and without split-K, chunks against
+a cached prefix, prefill from empty, mixed steps, GQA 1/4/8 and MQA, head dims 64/128 and a
+padded one, block sizes 8/16/32, sliding windows."""
+
+import pytest
+import torch
+
+from memfit.ops._triton import triton_on_cpu
+from tests.ops.paged_cases import check_paged
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter():
+    with triton_on_cpu():
+        yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads_q,heads_kv,head_dim,page",
+    [(4, 4, 64, 16), (8, 2, 64, 8), (8, 1, 32, 32), (16, 2, 128, 16), (6, 2, 48, 16)],
+)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode(heads_q, heads_kv, head_dim, page, dtype, num_splits):
+    lengths = [1, 37, 70, 16]
+    check_paged([1] * len(lengths), lengths, heads_q, heads_kv, head_dim, page, dtype, "cpu",
+                num_splits=num_splits)  # fmt: skip
+
+
+def test_decode_default_splits_cover_long_context():
+    # the default split count under the interpreter is > 1 for one sequence: the merge runs
+    check_paged([1], [300], 8, 2, 64, 16, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads_q,heads_kv,head_dim,page",
+    [(4, 4, 64, 16), (8, 2, 64, 8), (8, 1, 32, 32), (6, 2, 48, 16)],
+)
+def test_chunks_over_a_cached_prefix(heads_q, heads_kv, head_dim, page, dtype):
+    # a prefill from empty, a chunk after a prefix, decodes in the same step (mixed)
+    check_paged([21, 9, 1, 1], [21, 50, 33, 1], heads_q, heads_kv, head_dim, page, dtype, "cpu")
+
+
+@pytest.mark.parametrize("window", [1, 7, 20])
+def test_sliding_window(window):
+    check_paged([1, 1], [45, 9], 4, 2, 64, 8, torch.float32, "cpu", window=window, num_splits=2)
+    check_paged([12, 3], [40, 3], 4, 2, 64, 8, torch.float32, "cpu", window=window)
+
+
+def test_one_sequence_spanning_many_programs():
+    check_paged([40], [60], 2, 2, 32, 8, torch.float32, "cpu")  # three query blocks of 16
+
+
+def test_bad_block_size():
+    with pytest.raises(ValueError, match="power of two"):
+        check_paged([1], [5], 2, 2, 32, 12, torch.float32, "cpu")
