@@ -101,3 +101,32 @@ def test_bad_requests_say_what_is_wrong(model):
         engine.add(list(range(5)), SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="at least one token"):
         engine.add([])
+
+
+def test_captured_decode_inputs_give_the_eager_step(model):
+    """The decode step's static buffers (what the CUDA graphs replay; run eagerly here), padded to
+    a bucket with scratch-block rows, give the logits of an ordinary paged step."""
+    from memfit.inference import paged_step
+    from memfit.inference.cuda_graphs import DecodeGraphs
+
+    def cache():
+        return PagedKVCache(
+            model.config, num_blocks=24, block_size=4, dtype=torch.float32, device="cpu"
+        )
+
+    batch = prompts((3, 9, 6))
+    eager, static = cache(), cache()
+    for c in (eager, static):
+        paged_step(model, c, [0, 1, 2], batch)  # the prompts' prefill
+    graphs = DecodeGraphs(model, static, max_batch=8, max_seq_len=40)
+    assert graphs.bucket(3) == 4 and graphs.buckets == [1, 2, 4, 8]
+    for step in range(5):  # crosses block boundaries
+        tokens = [(7 * step + i) % 200 for i in range(3)]
+        expected = paged_step(model, eager, [0, 1, 2], [[t] for t in tokens])
+        got = graphs.run([0, 1, 2], tokens)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert static.lengths == eager.lengths
+    scratch = static.keys[:, static.scratch_block]
+    blocks = static.scratch_block  # the same blocks, the same keys (up to a batch of 4 vs 3)
+    torch.testing.assert_close(static.keys[:, :blocks], eager.keys[:, :blocks])
+    assert scratch.abs().sum() > 0  # the padding row wrote there, and only there

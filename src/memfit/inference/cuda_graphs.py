@@ -16,7 +16,6 @@ activations, not their sum.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,15 +40,18 @@ class DecodeGraphs:
         device = cache.device
         width = -(-max_seq_len // cache.block_size)
         self.width = width
-        int32 = {"dtype": torch.int32, "device": device}
-        self.tokens = torch.zeros(1, max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(max_batch, **int32)
-        self.block_table = torch.full((max_batch, width), cache.scratch_block, **int32)
+        # the per-row inputs: tokens, positions, slots, lengths (int64 rows of one buffer), and
+        # the block table; staged on the host in pinned buffers and copied with two transfers
+        self._rows = torch.zeros(4, max_batch, dtype=torch.long, device=device)
+        self.tokens, self.positions = self._rows[0:1], self._rows[1]
+        self.slots, self.seq_lens = self._rows[2], self._rows[3]
+        self.block_table = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
         self.seq_index = torch.arange(max_batch, device=device)
-        self.query_start = torch.arange(max_batch + 1, **int32)
-        self._host_table = np.zeros((max_batch, width), dtype=np.int32)
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        pinned = {"pin_memory": device.type == "cuda"}
+        self._rows_host = torch.zeros(max_batch, 4, dtype=torch.long, **pinned)
+        self._table_host = torch.zeros(max_batch * width, dtype=torch.int32, **pinned)
+        self._rows_staged = torch.zeros(max_batch, 4, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, Tensor] = {}
         self.pool = None
@@ -68,9 +70,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's graph, largest first (they share its memory pool). The padding
-        state (every row a scratch-block sequence) is what the warm-up and capture run on."""
-        self._reset_rows(0, max(self.buckets))
+        """Capture every bucket's graph, largest first (they share its memory pool). Every row
+        a padding row while they run: warm-up and capture write only the scratch block."""
+        self._stage([], [], max(self.buckets))
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):
@@ -91,15 +93,6 @@ class DecodeGraphs:
         )
         return logits[0]  # (batch, vocab)
 
-    def _reset_rows(self, start: int, stop: int) -> None:
-        """Rows start..stop-1 become padding: token 0 at position 0 in the scratch block."""
-        scratch_slot = self.cache.scratch_block * self.cache.block_size
-        self.tokens[0, start:stop] = 0
-        self.positions[start:stop] = 0
-        self.slots[start:stop] = scratch_slot
-        self.seq_lens[start:stop] = 1
-        self.block_table[start:stop, 0] = self.cache.scratch_block
-
     def bucket(self, batch: int) -> int | None:
         """The smallest captured batch size >= batch (None: too many rows for any graph)."""
         return next((b for b in self.buckets if b >= batch), None)
@@ -108,30 +101,33 @@ class DecodeGraphs:
     def run(self, seq_ids: list[int], tokens: list[int]) -> Tensor:
         """Decode one token of each sequence (its cache slot is reserved here): the logits
         (len(seq_ids), vocab), a view of the graph's output valid until the next replay."""
-        batch = len(seq_ids)
-        bucket = self.bucket(batch)
-        cache, table = self.cache, self._host_table
-        rows: list[list[int]] = [[], [], [], []]  # tokens, positions, slots, lengths
-        width = 1
+        bucket = self.bucket(len(seq_ids))
+        self._stage(seq_ids, tokens, bucket)
+        if bucket not in self.graphs:  # not captured (a CPU): the same step, run eagerly
+            return self._forward(bucket)[: len(seq_ids)]
+        self.graphs[bucket].replay()
+        return self.logits[bucket][: len(seq_ids)]
+
+    def _stage(self, seq_ids: list[int], tokens: list[int], bucket: int) -> None:
+        """Fill the inputs of `bucket` rows: the sequences' (their slots reserved in the cache),
+        then padding rows (token 0 at position 0 in the scratch block). Two host-to-device
+        copies, both from pinned memory, and one transpose on the device."""
+        cache, batch = self.cache, len(seq_ids)
+        rows = self._rows_host.numpy()
         for row, seq_id in enumerate(seq_ids):
             position = cache.lengths.get(seq_id, 0)
             (slot,) = cache.append(seq_id, 1)
-            blocks = cache.tables[seq_id]
-            for column, value in zip(
-                rows, (tokens[row], position, slot, position + 1), strict=True
-            ):
-                column.append(value)
+            rows[row] = (tokens[row], position, slot, position + 1)
+        tables = [cache.tables[seq_id] for seq_id in seq_ids]
+        width = max((len(t) for t in tables), default=1)
+        table = self._table_host.numpy()[: bucket * width].reshape(bucket, width)
+        for row, blocks in enumerate(tables):
             table[row, : len(blocks)] = blocks
-            width = max(width, len(blocks))
-        staged = torch.tensor(rows).to(cache.device, non_blocking=True)
-        self.tokens[0, :batch] = staged[0]
-        self.positions[:batch] = staged[1]
-        self.slots[:batch] = staged[2]
-        self.seq_lens[:batch] = staged[3].to(torch.int32)
-        self.block_table[:batch, :width].copy_(
-            torch.from_numpy(table[:batch, :width]).to(cache.device, non_blocking=True)
+        rows[batch:bucket] = (0, 0, cache.scratch_block * cache.block_size, 1)
+        table[batch:bucket, 0] = cache.scratch_block
+        staged = self._rows_staged[:bucket]
+        staged.copy_(self._rows_host[:bucket], non_blocking=True)
+        self._rows[:, :bucket].copy_(staged.T)
+        self.block_table[:bucket, :width].copy_(
+            self._table_host[: bucket * width].view(bucket, width), non_blocking=True
         )
-        if bucket > batch:
-            self._reset_rows(batch, bucket)
-        self.graphs[bucket].replay()
-        return self.logits[bucket][:batch]

@@ -32,7 +32,7 @@ from memfit.inference.sampling import Sampler, StopStringChecker
 from memfit.inference.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler looks requests up in lists
 class Request:
     id: int
     prompt: list[int]
@@ -53,6 +53,20 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def pending(self, limit: int) -> list[int]:
+        """Up to `limit` of the tokens not yet in the cache (without copying the whole
+        sequence: a decode is the last output token)."""
+        start, prompt = self.computed, len(self.prompt)
+        if start >= prompt:
+            return self.output[start - prompt : start - prompt + limit]
+        head = self.prompt[start : start + limit]
+        rest = limit - len(head)
+        return head + self.output[:rest] if rest > 0 else head
 
 
 class Engine:
@@ -159,7 +173,7 @@ class Engine:
             if request not in self.running:
                 continue
             # a decode: its one token; a prefill in chunks: as much as the budget allows
-            new = request.tokens[request.computed :][: max(budget, 1)]
+            new = request.pending(max(budget, 1))
             while not fits(request, len(new)):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -171,7 +185,7 @@ class Engine:
                 budget -= len(new)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
-            chunk = request.tokens[request.computed :][:budget]
+            chunk = request.pending(budget)
             if not fits(request, len(chunk)):
                 break  # wait for blocks to be freed
             self.waiting.popleft()
@@ -197,9 +211,11 @@ class Engine:
         sampling = [
             (row, request)
             for row, (request, tokens) in enumerate(batch)
-            if request.computed + len(tokens) == len(request.tokens)
+            if request.computed + len(tokens) == request.num_tokens
         ]
-        prepared = self.sampler.prepare([r for _, r in sampling]) if sampling else None
+        # plain greedy rows (no penalty, no logprobs) need only an argmax, not the sampler
+        plain = all(_plain_greedy(r.params) for _, r in sampling)
+        prepared = self.sampler.prepare([r for _, r in sampling]) if sampling and not plain else None
         seq_ids = [r.id for r, _ in batch]
         decode = all(len(tokens) == 1 for _, tokens in batch)
         if decode and self.graphs is not None and self.graphs.bucket(len(batch)) is not None:
@@ -216,7 +232,10 @@ class Engine:
             rows = [row for row, _ in sampling]
             if len(rows) < len(batch):
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            sampled, logprobs = self.sampler.sample(logits, prepared).to_lists()
+            if plain:
+                sampled, logprobs = logits.argmax(dim=-1).tolist(), None
+            else:
+                sampled, logprobs = self.sampler.sample(logits, prepared).to_lists()
             for i, (_, request) in enumerate(sampling):
                 self._accept(request, sampled[i], logprobs[i] if logprobs is not None else None)
         if decode:
@@ -252,3 +271,7 @@ class Engine:
         while self.waiting or self.running:
             self.step()
         return [r.output for r in self.requests]
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and params.repetition_penalty == 1.0 and not params.logprobs
