@@ -215,7 +215,9 @@ class Engine:
         ]
         # plain greedy rows (no penalty, no logprobs) need only an argmax, not the sampler
         plain = all(_plain_greedy(r.params) for _, r in sampling)
-        prepared = self.sampler.prepare([r for _, r in sampling]) if sampling and not plain else None
+        prepared = (
+            self.sampler.prepare([r for _, r in sampling]) if sampling and not plain else None
+        )
         seq_ids = [r.id for r, _ in batch]
         decode = all(len(tokens) == 1 for _, tokens in batch)
         if decode and self.graphs is not None and self.graphs.bucket(len(batch)) is not None:

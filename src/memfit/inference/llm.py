@@ -127,6 +127,21 @@ class LLM:
             decode=self.tokenizer.decode if self.tokenizer is not None else None,
         )  # fmt: skip
         self.last_stats: dict = {}
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the kernels of every kind of step before the first request: Triton compiles
+        one variant per class of sizes (one row, a multiple of 16, any other), which would
+        otherwise happen in the middle of serving, a second at a time."""
+        prompts = [[0] * 16, [0] * 17, [0] * 5, [0] * 32]
+        for prompt in prompts:
+            self.engine.add(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        self.engine.run()
+        self.engine.requests.clear()
+        self.engine.steps = self.engine.preemptions = self.engine.decode_steps = 0
+        self.engine.decode_seconds, self.engine.peak_blocks = 0.0, 0
+        self.engine.waste_samples.clear()
 
     def _kv_budget(
         self, fraction: float, max_step_tokens: int, max_running: int, seq_len: int, graphs: bool

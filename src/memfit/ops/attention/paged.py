@@ -96,7 +96,10 @@ def _attend_pages(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Integers that change from step to step are not specialized on (Triton compiles a variant per
+# value class, == 1 or a multiple of 16, by default): a serving engine would compile anew in the
+# middle of its run whenever the batch crossed one.
+@triton.jit(do_not_specialize=["window", "chunk", "num_splits"])
 def _decode_kernel(
     Q,
     K,
@@ -170,7 +173,7 @@ def _decode_kernel(
         tl.store(o_ptrs, out, mask=g_ok[:, None] & d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     Out,
     PartAcc,
@@ -202,7 +205,7 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, _to_dtype(out, Out.dtype.element_ty, INTERPRET), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _chunk_kernel(
     Q,
     K,
