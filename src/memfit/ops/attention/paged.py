@@ -309,10 +309,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, heads_kv: int, max_seq_len: int, device: torch.device) -> int:
-    """How many ranges to cut each sequence's context into: enough programs for two per SM,
-    each range at least 256 keys (a shorter one costs more in the merge than it saves)."""
-    programs = num_seqs * heads_kv
-    wanted = -(-2 * _num_sms(device) // programs)
+    """How many ranges to cut each sequence's context into: enough programs for two per SM
+    (four when a handful of programs would otherwise run: at batch 1 each range is short and the
+    extra programs hide the memory latency; H100 sweep), each range at least 256 keys (a shorter
+    one costs more in the merge than it saves)."""
+    programs, sms = num_seqs * heads_kv, _num_sms(device)
+    wanted = -(-(4 if 8 * programs <= sms else 2) * sms // programs)
     return max(1, min(wanted, -(-max_seq_len // 256), 128))
 
 
