@@ -312,7 +312,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/inference.py needs a CUDA GPU")
     device = torch.device("cuda")
-    run = {"environment": harness.environment()}
+    run = {"env": harness.environment()}
     copy_bw = copy_bandwidth(device)
     run["copy_tb_s"] = copy_bw / 1e12
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)

@@ -657,6 +657,59 @@ def _offload_run(run: dict) -> bool:
     return _gpus(run) == 1 and any("offload" in r["system"] for r in run.get("records", []))
 
 
+def inference_table(run: dict) -> str:
+    """benchmarks/inference.py: the decode kernel, offline throughput and batch-1 decode."""
+    copy = run["copy_tb_s"]
+    lines = [
+        _env_line(run, f"device-to-device copy {copy:.2f} TB/s.", transformers=True),
+        "",
+        "Decode attention, bf16, one query token per sequence, GQA 32/8, 16-token blocks; both "
+        "kernels replayed from CUDA graphs; bytes = K and V read once:",
+        "",
+        "| batch | context | head dim | memfit | SDPA (contiguous) | memfit / SDPA | of copy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k in run.get("kernel", []):
+        lines.append(
+            f"| {k['batch']} | {k['context']} | {k['head_dim']} | {k['memfit_ms']:.3f} ms, "
+            f"{k['memfit_tb_s']:.2f} TB/s ({k['splits']} splits) | {k['sdpa_ms']:.3f} ms, "
+            f"{k['sdpa_tb_s']:.2f} TB/s | {k['memfit_over_sdpa']:.2f}x | "
+            f"{k['memfit_of_copy']:.0%} |"
+        )
+    if "throughput" in run:
+        t = run["throughput"]
+        m, hf = t["memfit"], t["hf"]
+        lines += [
+            "",
+            f"Offline throughput, llama-3.2-1b shapes, random bf16 weights, {t['requests']} "
+            f"requests, prompts of 64-512 tokens, {t['new_tokens']} new tokens each:",
+            "",
+            "| system | tokens/s | time | peak | steps | mean KV waste |",
+            "|---|---|---|---|---|---|",
+            f"| memfit `LLM.generate` | **{m['tokens_per_s']:,.0f}** ({t['speedup']:.1f}x) | "
+            f"{m['seconds']:.2f} s | {m['peak_gib']:.1f} GiB | {m['steps']} | "
+            f"{m['kv_waste_mean']:.2%} |",
+            f"| transformers `generate_batch` | {hf['tokens_per_s']:,.0f} | {hf['seconds']:.2f} s "
+            f"| {hf['peak_gib']:.1f} GiB | - | - |",
+        ]
+    if "batch1" in run:
+        lines += [
+            "",
+            "Batch-1 decode, prompt 128, 256 new tokens; the limit: weights and KV read once per "
+            "token at the copy bandwidth:",
+            "",
+            "| model | tokens/s | ms/token | limit | of limit | captured step alone |",
+            "|---|---|---|---|---|---|",
+        ]
+        for b in run["batch1"]:
+            lines.append(
+                f"| {b['model']} | {b['tokens_per_s']:.1f} | {b['ms_per_token']:.3f} | "
+                f"{b['limit_ms_per_token']:.3f} ms | {b['of_limit']:.0%} | "
+                f"{b['graph_ms_per_token']:.3f} ms ({b['graph_of_limit']:.0%}) |"
+            )
+    return "\n".join(lines)
+
+
 def _has(key: str) -> Callable[[dict], bool]:
     return lambda run: bool(run.get(key))
 
@@ -677,6 +730,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "zero": ("zero", zero_table, lambda run: _gpus(run) > 1, True),
     "zero_offload": ("zero", partial(zero_table, offload=True), _offload_run, True),
     "scaling": ("zero", scaling_table, lambda run: _gpus(run) > 0, True),
+    "inference": ("inference", inference_table, _has("kernel"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 
