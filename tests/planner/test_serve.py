@@ -37,19 +37,7 @@ SMALL = ModelConfig(
     intermediate_size=96,
     max_seq_len=256,
 )
-# Llama 3.2 1B's published shape (tied embeddings, GQA 32/8, head_dim 64)
-LLAMA_3_2_1B = ModelConfig(
-    name="llama-3.2-1b",
-    vocab_size=128256,
-    hidden_size=2048,
-    num_layers=16,
-    num_heads=32,
-    num_kv_heads=8,
-    intermediate_size=8192,
-    max_seq_len=131072,
-    tie_embeddings=True,
-    rope_theta=500000.0,
-)
+LLAMA_3_2_1B = PRESETS["llama-3.2-1b"]  # tied embeddings, GQA 32/8, head_dim 64
 
 
 def test_small_model_by_hand():
