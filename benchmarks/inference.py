@@ -1,7 +1,7 @@
 """Inference benchmarks on one GPU, each competitor measured in the same process.
 
     python benchmarks/inference.py                      # every part
-    python benchmarks/inference.py --parts kernel       # kernel, throughput, batch1 (any subset)
+    python benchmarks/inference.py --parts kernel       # kernel, prefill, throughput, batch1
 
 - kernel: memfit's paged decode kernel (bf16, GQA 32/8 unless said, a random block table of
   16-token blocks) against torch SDPA on a contiguous cache (`enable_gqa=True`), both as achieved
@@ -9,6 +9,9 @@
   written), the practical limit. Both kernels are timed replayed from CUDA graphs, as the
   engine's decode step runs them (eager times, which include Python's launch cost, are kept
   beside). `--sweep` times the kernel's launch configurations as well.
+- prefill: the chunk kernel (2048 new tokens over a cached prefix of 0, 8k and 30k tokens, one
+  sequence, bf16, GQA 32/8, D=128) against memfit's FlashAttention over the same keys stored
+  contiguously: what the block table costs a prefill, in TFLOP/s of the causal product.
 - throughput: 256 requests, prompt lengths uniform in 64..512 (seeded), 256 new tokens each (no
   early stop), llama-3.2-1b shapes with random bf16 weights: memfit's engine (`LLM.generate`)
   against Hugging Face transformers' continuous batching (`generate_batch`, paged), both warm
@@ -161,6 +164,74 @@ def _sweep(memfit, kv_bytes, batch, heads_kv, context, device) -> list[dict]:
     return out
 
 
+PREFILL_CASES = [(0, 2048), (8192, 2048), (30720, 2048)]  # (cached prefix, new tokens), B=1
+
+
+def prefill(device: torch.device, sweep: bool) -> list[dict]:
+    """The chunk kernel (new tokens over a cached prefix and themselves, causal) against memfit's
+    FlashAttention over the same keys laid out contiguously (its causal mask aligned
+    bottom-right): what paging costs a prefill. TFLOP/s of the causal product."""
+    rows = []
+    for prefix, new in PREFILL_CASES:
+        rows.append(_prefill_case(prefix, new, device=device, sweep=sweep))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _prefill_case(prefix: int, new: int, *, device, sweep: bool) -> dict:
+    from memfit.ops.attention import flash_attention
+
+    heads_q, heads_kv, head_dim, page = 32, 8, 128, 16
+    total = prefix + new
+    q, key_pool, value_pool, table, _ = _paged_case(
+        1, total, heads_q, heads_kv, head_dim, page, device
+    )
+    q = torch.randn(new, heads_q, head_dim, dtype=torch.bfloat16, device=device)
+    metadata = {
+        "block_table": table.to(device=device, dtype=torch.int32),
+        "seq_lens": torch.tensor([total], dtype=torch.int32, device=device),
+        "query_start": torch.tensor([0, new], dtype=torch.int32, device=device),
+        "max_query_len": new,
+        "max_seq_len": total,
+    }
+    k = key_pool[table.to(device)].flatten(1, 2)[:, :total]  # (1, total, nkv, d)
+    v = value_pool[table.to(device)].flatten(1, 2)[:, :total]
+    flops = 4 * heads_q * head_dim * (new * prefix + new * (new + 1) / 2)
+
+    def memfit():
+        return paged_ops.paged_attention(q, key_pool, value_pool, **metadata)
+
+    def flash():
+        return flash_attention(q[None], k, v, causal=True)
+
+    err = (memfit().float() - flash()[0].float()).abs().max().item()
+    t_memfit, t_flash = graph_seconds(memfit, calls=5), graph_seconds(flash, calls=5)
+    row = {
+        "prefix": prefix, "new_tokens": new, "memfit_ms": t_memfit * 1e3,
+        "flash_ms": t_flash * 1e3, "memfit_tflops": flops / t_memfit / 1e12,
+        "flash_tflops": flops / t_flash / 1e12, "max_abs_diff_vs_flash": err,
+    }  # fmt: skip
+    if sweep:
+        default, found = paged_ops.CHUNK_CONFIG, []
+        try:
+            for config in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3),
+                           (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]:  # fmt: skip
+                paged_ops.CHUNK_CONFIG = config
+                seconds = graph_seconds(memfit, calls=5, repeat=10)
+                found.append({"config": config, "tflops": flops / seconds / 1e12})
+        finally:
+            paged_ops.CHUNK_CONFIG = default
+        row["sweep"] = found
+        print(f"  sweep best: {max(found, key=lambda r: r['tflops'])}", flush=True)
+    print(
+        f"prefill {new} over {prefix}: memfit {row['memfit_tflops']:.0f} TFLOP/s "
+        f"({t_memfit * 1e3:.2f} ms), contiguous flash {row['flash_tflops']:.0f} TFLOP/s, "
+        f"max diff {err:.1e}",
+        flush=True,
+    )
+    return row
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -302,7 +373,7 @@ def batch1(device: torch.device, copy_bw: float, presets: list[str], new_tokens:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["kernel", "throughput", "batch1"])
+    parser.add_argument("--parts", nargs="+", default=["kernel", "prefill", "throughput", "batch1"])
     parser.add_argument("--sweep", action="store_true", help="time kernel configurations too")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -318,6 +389,8 @@ def main() -> None:
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
     if "kernel" in args.parts:
         run["kernel"] = kernel(device, copy_bw, args.sweep)
+    if "prefill" in args.parts:
+        run["prefill"] = prefill(device, args.sweep)
     if "throughput" in args.parts:
         run["throughput"] = throughput(device, args.requests, args.new_tokens)
     if "batch1" in args.parts:
