@@ -51,6 +51,11 @@ def test_sliding_window(window):
     check_paged([12, 3], [40, 3], 4, 2, 64, 8, torch.float32, "cpu", window=window)
 
 
+def test_window_with_whole_tiles_every_row_sees():
+    # 5 new tokens at 95..99, window 40: keys 60..95 are seen by every row (an unmasked tile)
+    check_paged([5], [100], 4, 2, 64, 8, torch.float32, "cpu", window=40)
+
+
 def test_one_sequence_spanning_many_programs():
     check_paged([40], [60], 2, 2, 32, 8, torch.float32, "cpu")  # three query blocks of 16
 

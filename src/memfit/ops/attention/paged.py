@@ -66,23 +66,31 @@ def _attend_pages(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """The online softmax of the rows of q over keys [lo, hi) of one sequence, gathered through
     its block-table row; row r sees keys row_first[r] <= j <= row_pos[r]. K and V point at the
-    program's kv head."""
+    program's kv head. Not MASKED: the caller guarantees that every row sees every key of
+    [lo, hi) and that the range is whole tiles, so no mask is built and no load is predicated."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d[None, :] < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         col_ok = cols < hi
-        page = tl.load(table_row + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+        if MASKED:
+            page = tl.load(table_row + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row + cols // PAGE).to(tl.int64)
         within = cols % PAGE
         k_ptrs = K + (page * stride_kb + within * stride_kt)[:, None] + offs_d[None, :]
-        k = _load_tile(k_ptrs, col_ok, d_ok, True, HEAD_DIM, BLOCK_D)
+        k = _load_tile(k_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D)
         qk = _dot(q, tl.trans(k), None, INTERPRET)
-        keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] >= row_first[:, None])
-        qk = tl.where(keep & col_ok[None, :], qk * qk_scale, float("-inf"))
+        if MASKED:
+            keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] >= row_first[:, None])
+            qk = tl.where(keep & col_ok[None, :], qk * qk_scale, float("-inf"))
+        else:
+            qk = qk * qk_scale
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead (no -inf - -inf)
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -90,7 +98,7 @@ def _attend_pages(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V + (page * stride_vb + within * stride_vt)[:, None] + offs_d[None, :]
-        v = _load_tile(v_ptrs, col_ok, d_ok, True, HEAD_DIM, BLOCK_D)
+        v = _load_tile(v_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D)
         acc = _dot(_to_dtype(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
         m_i = m_ij
     return acc, l_i, m_i
@@ -159,7 +167,7 @@ def _decode_kernel(
         acc, l_i, m_i, q,
         K + kv_head * stride_kh, V + kv_head * stride_vh, block_table + seq * stride_table,
         stride_kb, stride_kt, stride_vb, stride_vt, lo, hi, row_pos, row_first, offs_d,
-        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, INTERPRET,
+        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET,
     )  # fmt: skip
     if SPLIT:
         # partials of (sequence, head, split), laid out (sequences, heads_q, splits[, BLOCK_D])
@@ -270,18 +278,36 @@ def _chunk_kernel(
 
     row_pos = seqlen - q_len + token
     row_first = tl.maximum(row_pos - window + 1, 0)
-    first_token = local * BLOCK_Q
-    last_token = tl.minimum(first_token + BLOCK_Q, q_len) - 1
-    lo = tl.maximum(seqlen - q_len + first_token - window + 1, 0)
-    hi = seqlen - q_len + last_token + 1
+    # the block's keys: [lo, hi) in three runs, as the FlashAttention forward walks its band:
+    # masked tiles at the window's left edge, whole tiles every row sees (keys at or before the
+    # first row's position and within the last row's window: no mask), masked tiles at the
+    # causal diagonal
+    first_pos = seqlen - q_len + local * BLOCK_Q
+    last_pos = seqlen - q_len + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len) - 1
+    lo = tl.maximum(first_pos - window + 1, 0)
+    hi = last_pos + 1
+    every_row_from = tl.maximum(last_pos - window + 1, 0)
+    mid_lo = tl.minimum(lo + tl.cdiv(every_row_from - lo, BLOCK_N) * BLOCK_N, hi)
+    mid_hi = tl.maximum(mid_lo + (first_pos + 1 - mid_lo) // BLOCK_N * BLOCK_N, mid_lo)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    k_base, v_base = K + kv_head * stride_kh, V + kv_head * stride_vh
+    table_row = block_table + seq * stride_table
     acc, l_i, m_i = _attend_pages(
-        acc, l_i, m_i, q,
-        K + kv_head * stride_kh, V + kv_head * stride_vh, block_table + seq * stride_table,
-        stride_kb, stride_kt, stride_vb, stride_vt, lo, hi, row_pos, row_first, offs_d,
-        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, INTERPRET,
+        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
+        lo, mid_lo, row_pos, row_first, offs_d, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+        True, INTERPRET,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_pages(
+        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
+        mid_lo, mid_hi, row_pos, row_first, offs_d, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+        False, INTERPRET,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_pages(
+        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
+        mid_hi, hi, row_pos, row_first, offs_d, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+        True, INTERPRET,
     )  # fmt: skip
     out = _to_dtype(acc / tl.where(row_ok, l_i, 1.0)[:, None], Out.dtype.element_ty, INTERPRET)
     o_ptrs = Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -295,9 +321,9 @@ def _chunk_kernel(
 # Decode, per padded head dim: (BLOCK_N, num_warps, num_stages), from a sweep on an H100 (bf16,
 # triton 3.6; `benchmarks/inference.py --sweep`): 97-99% of the copy bandwidth at B=64 L=4096
 # (D=128) and 95% at B=128 L=2048 (D=64). Chunk: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N,
-# num_warps, num_stages).
+# num_warps, num_stages), the best of a sweep of 2048 new tokens over prefixes of 0-30k.
 DECODE_CONFIGS = {64: (32, 2, 3), 128: (64, 4, 3)}
-CHUNK_CONFIG = (64, 64, 4, 2)
+CHUNK_CONFIG = (128, 32, 4, 3)
 _INTERPRET_BLOCK_N = 16
 
 
