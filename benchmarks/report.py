@@ -676,6 +676,22 @@ def inference_table(run: dict) -> str:
             f"{k['sdpa_tb_s']:.2f} TB/s | {k['memfit_over_sdpa']:.2f}x | "
             f"{k['memfit_of_copy']:.0%} |"
         )
+    if "prefill" in run:
+        lines += [
+            "",
+            "Prefill attention, one sequence, 2048 new tokens over a cached prefix, bf16, GQA 32/8, "
+            "D=128, against memfit's FlashAttention over the same keys stored contiguously "
+            "(TFLOP/s of the causal product):",
+            "",
+            "| prefix | memfit paged | contiguous FlashAttention | paged / contiguous |",
+            "|---|---|---|---|",
+        ]
+        for p in run["prefill"]:
+            lines.append(
+                f"| {p['prefix']} | {p['memfit_ms']:.2f} ms, {p['memfit_tflops']:.0f} | "
+                f"{p['flash_ms']:.2f} ms, {p['flash_tflops']:.0f} | "
+                f"{p['memfit_tflops'] / p['flash_tflops']:.2f}x |"
+            )
     if "throughput" in run:
         t = run["throughput"]
         m, hf = t["memfit"], t["hf"]
