@@ -81,3 +81,17 @@ def test_bad_requests_fail_before_anything_runs(tmp_path):
         llm.generate([[1, 2]], SamplingParams(stop=["x"]))
     with pytest.raises(FileNotFoundError, match="no checkpoint found"):
         LLM(tmp_path / "absent", device="cpu")
+
+
+def test_warm_up_leaves_a_clean_engine(tmp_path):
+    # what LLM runs on CUDA before the first request (greedy and sampled steps of every size
+    # class), run here on the CPU: afterwards the engine holds nothing and counts from zero
+    _save_transformers_model(tmp_path, "llama")
+    llm = LLM(tmp_path, device="cpu", dtype="fp32")
+    llm._warm_up()
+    engine = llm.engine
+    assert not engine.requests and not engine.running and not engine.waiting
+    assert engine.steps == engine.decode_steps == 0 and not llm.cache.tables
+    assert llm.cache.pool.num_free == llm.cache.pool.num_blocks
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.request_id == 0 and len(out.token_ids) == 3

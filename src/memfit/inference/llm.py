@@ -132,11 +132,18 @@ class LLM:
 
     def _warm_up(self) -> None:
         """Compile the kernels of every kind of step before the first request: Triton compiles
-        one variant per class of sizes (one row, a multiple of 16, any other), which would
-        otherwise happen in the middle of serving, a second at a time."""
+        one variant per class of sizes (one row, a multiple of 16, any other) and the sampler
+        compiles its kernels on first use, which would otherwise happen in the middle of
+        serving, seconds at a time."""
         prompts = [[0] * 16, [0] * 17, [0] * 5, [0] * 32]
         for prompt in prompts:
             self.engine.add(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        # and the sampler's compiled kernels (truncation, the seeded race), alone and in a batch
+        sampled = SamplingParams(
+            max_tokens=2, temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, ignore_eos=True
+        )
+        for prompt in ([0] * 3, [0] * 4, [0] * 6):
+            self.engine.add(prompt, sampled)
         self.engine.run()
         self.engine.requests.clear()
         self.engine.steps = self.engine.preemptions = self.engine.decode_steps = 0
