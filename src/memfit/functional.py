@@ -19,6 +19,7 @@ from memfit.ops.attention import (
     flash_attention_varlen,
     head_dim_supported,
 )
+from memfit.ops.attention.paged import paged_attention
 from memfit.ops.cross_entropy import linear_cross_entropy
 from memfit.ops.rms_norm import rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
@@ -211,8 +212,6 @@ def _paged(
         return _paged_reference(
             q, key_pool, value_pool, causal=causal, window=window, mask=mask, metadata=metadata
         )
-    from memfit.ops.attention.paged import paged_attention
-
     out = paged_attention(
         q[0], key_pool, value_pool, block_table=metadata.block_table, seq_lens=metadata.seq_lens,
         query_start=metadata.query_start, max_query_len=metadata.max_query_len,

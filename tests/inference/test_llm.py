@@ -7,20 +7,15 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from memfit.inference import LLM, SamplingParams
 from tests.models.test_loading import TINY, _save_transformers_model
+from tests.models.test_loading import _write_tokenizer as write_tokenizer
 
 
 def _write_tokenizer(directory) -> None:
-    """A word-level tokenizer with a word for every id of the tiny vocabulary."""
-    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2, "[UNK]": 3}
-    vocab |= {f"w{i}": i for i in range(4, TINY["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.add_special_tokens(["<s>", "</s>", "<|eot|>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
+    """A word for every id of the tiny vocabulary."""
+    write_tokenizer(directory, words=[f"w{i}" for i in range(4, TINY["vocab_size"])])
 
 
 def hf_greedy(model, prompt, steps):

@@ -29,6 +29,17 @@ from memfit.inference.sampling_params import SamplingParams
 CHI2_BOUND = {1: 23.9, 2: 27.6, 3: 30.7, 4: 33.4, 5: 35.9, 6: 38.3, 7: 40.5, 255: 377.1}
 
 
+def assert_draws_follow(tokens, exact, case):
+    """No draw outside the kept tokens, and a chi-square of the counts within the bound."""
+    draws = len(tokens)
+    counts = torch.bincount(tokens, minlength=len(exact)).double()
+    kept = exact > 0
+    assert counts[~kept].sum() == 0
+    expected = exact[kept] * draws
+    chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
+    assert chi2 < CHI2_BOUND[int(kept.sum()) - 1], (case, counts.tolist(), expected.tolist())
+
+
 @dataclass
 class Request:
     id: int
@@ -336,12 +347,7 @@ def test_draws_follow_the_exact_distribution(case, seeded):
     ]
     sampler = Sampler(8, seed=11)
     tokens = sampler.sample(logits.expand(draws, 8), sampler.prepare(requests)).token_ids
-    counts = torch.bincount(tokens, minlength=8).double()
-    kept = exact > 0
-    assert counts[~kept].sum() == 0
-    expected = exact[kept] * draws
-    chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
-    assert chi2 < CHI2_BOUND[int(kept.sum()) - 1], (case, counts.tolist(), expected.tolist())
+    assert_draws_follow(tokens, exact, case)
 
 
 def test_hash_is_uniform_and_uncorrelated():
@@ -542,9 +548,4 @@ def test_gpu_draws_follow_the_exact_distribution(case):
     sampler = Sampler(8, device="cuda")
     logits = logits.to("cuda", torch.bfloat16).expand(draws, 8)
     tokens = sampler.sample(logits, sampler.prepare(requests)).token_ids.cpu()
-    counts = torch.bincount(tokens, minlength=8).double()
-    kept = exact > 0
-    assert counts[~kept].sum() == 0
-    expected = exact[kept] * draws
-    chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
-    assert chi2 < CHI2_BOUND[int(kept.sum()) - 1], (case, counts.tolist(), expected.tolist())
+    assert_draws_follow(tokens, exact, case)

@@ -202,8 +202,10 @@ def test_sharded_and_single_file_checkpoints_load_the_same_weights(tmp_path):
         assert torch.equal(three.state_dict()[name], tensor), name
 
 
-def _write_tokenizer(directory) -> None:
-    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2, "[UNK]": 3, "hello": 4, "world": 5}
+def _write_tokenizer(directory, words=("hello", "world")) -> None:
+    """A word-level tokenizer: the special tokens at 0-3, then `words` from id 4."""
+    vocab = {"<s>": 0, "</s>": 1, "<|eot|>": 2, "[UNK]": 3}
+    vocab |= {word: 4 + i for i, word in enumerate(words)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(["<s>", "</s>", "<|eot|>"])

@@ -51,10 +51,6 @@ class Request:
     preemptions: int = 0
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
@@ -151,13 +147,15 @@ class Engine:
 
     # -- scheduling -----------------------------------------------------------------------------
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt_newest(self) -> Request:
+        """Free the newest running sequence's blocks and put it back at the queue's front."""
+        request = self.running.pop()
         self.cache.free(request.id)
         request.computed = 0
         request.preemptions += 1
         self.preemptions += 1
-        self.running.remove(request)
         self.waiting.appendleft(request)
+        return request
 
     def _schedule(self) -> list[tuple[Request, list[int]]]:
         """The step's (request, its new tokens) pairs: decodes first, then prefill chunks. Blocks
@@ -169,20 +167,20 @@ class Engine:
             needed = self.cache.blocks_needed(request.id, count)
             return needed <= self.cache.pool.num_free - promised
 
-        for request in list(self.running):  # oldest first: the newest is preempted first
-            if request not in self.running:
-                continue
+        index = 0
+        while index < len(self.running):  # oldest first; preemption takes the newest, at the end
+            request = self.running[index]
             # a decode: its one token; a prefill in chunks: as much as the budget allows
             new = request.pending(max(budget, 1))
-            while not fits(request, len(new)):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is request:
-                    break
-            if request in self.running:
-                promised += self.cache.blocks_needed(request.id, len(new))
-                batch.append((request, new))
-                budget -= len(new)
+            while not fits(request, len(new)) and self.running[-1] is not request:
+                self._preempt_newest()
+            if not fits(request, len(new)):
+                self._preempt_newest()  # the request itself, now the newest: it waits
+                break
+            promised += self.cache.blocks_needed(request.id, len(new))
+            batch.append((request, new))
+            budget -= len(new)
+            index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             chunk = request.pending(budget)
@@ -267,6 +265,15 @@ class Engine:
             self.cache.free(request.id)
             self.sampler.release(request.id)
             self.running.remove(request)
+
+    def reset_counters(self) -> None:
+        """Forget finished requests and zero the statistics (the engine must be idle)."""
+        if self.waiting or self.running:
+            raise RuntimeError("reset_counters needs an idle engine")
+        self.requests.clear()
+        self.steps = self.preemptions = self.decode_steps = self.peak_blocks = 0
+        self.decode_seconds = 0.0
+        self.waste_samples.clear()
 
     def run(self) -> list[list[int]]:
         """Step until every request has finished; each request's new tokens, by id."""

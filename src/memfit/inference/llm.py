@@ -145,10 +145,7 @@ class LLM:
         for prompt in ([0] * 3, [0] * 4, [0] * 6):
             self.engine.add(prompt, sampled)
         self.engine.run()
-        self.engine.requests.clear()
-        self.engine.steps = self.engine.preemptions = self.engine.decode_steps = 0
-        self.engine.decode_seconds, self.engine.peak_blocks = 0.0, 0
-        self.engine.waste_samples.clear()
+        self.engine.reset_counters()
 
     def _kv_budget(
         self, fraction: float, max_step_tokens: int, max_running: int, seq_len: int, graphs: bool

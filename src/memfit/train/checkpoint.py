@@ -245,20 +245,3 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
         return torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(f"cannot read {str(checkpoint / 'trainer.pt')!r}: {error}") from None
-
-
-def load_for_inference(path: str | Path, device: torch.device | str = "cpu"):
-    """(model, meta) for a checkpoint or run directory, the model in eval mode on `device`."""
-    from memfit.models.llama import build_model
-
-    checkpoint = find_checkpoint(path)
-    if checkpoint is None:
-        raise CheckpointError(
-            f"no checkpoint found at {str(path)!r} (expected a run directory or a step_* directory)"
-        )
-    meta = read_meta(checkpoint)
-    model_config = ModelConfig(**meta["model"])
-    model = build_model(model_config, device=device, seed=None)
-    load_model_weights(checkpoint, model)
-    model.eval()
-    return model, meta
