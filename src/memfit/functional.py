@@ -21,12 +21,13 @@ from memfit.ops.attention import (
 )
 from memfit.ops.attention.paged import paged_attention
 from memfit.ops.cross_entropy import linear_cross_entropy
-from memfit.ops.rms_norm import rms_norm
+from memfit.ops.rms_norm import add_rms_norm, rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
 from memfit.ops.swiglu import swiglu
 
 __all__ = [
     "AttentionBackend",
+    "add_rms_norm",
     "apply_rotary",
     "apply_rotary_qk",
     "attention",

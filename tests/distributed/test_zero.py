@@ -3,6 +3,7 @@ run on the whole batch (fp32 tolerance) over 10 steps, with and without accumula
 clipping, with offload, on a model whose parameter counts do not divide by the world size."""
 
 import contextlib
+import gc
 import os
 import socket
 
@@ -109,6 +110,11 @@ def worker(rank, world_size, port, accum, stages, out):
         results[f"bytes{stage}"] = zero.state_bytes()
     if rank == 0:
         torch.save(results, out)
+    # the optimizer holds the process group and gloo work objects: dropped here, the group dies
+    # in destroy_process_group, not at interpreter exit, where gloo's worker threads abort
+    del zero, model
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -130,3 +130,34 @@ def test_captured_decode_inputs_give_the_eager_step(model):
     blocks = static.scratch_block  # the same blocks, the same keys (up to a batch of 4 vs 3)
     torch.testing.assert_close(static.keys[:, :blocks], eager.keys[:, :blocks])
     assert scratch.abs().sum() > 0  # the padding row wrote there, and only there
+
+
+@pytest.mark.parametrize("num_blocks", [40, 9])
+def test_pipelined_greedy_decoding_matches_full_recompute(model, num_blocks):
+    """Decode steps queued before the host has read the last one's tokens (the captured step's
+    buffers, run eagerly here): the same greedy outputs, with sequences of different lengths
+    that stop by length, by a stop token mid-pipeline (the queued step is discarded) and, with
+    9 blocks, a pool that runs short (pipelining pauses; preemption takes over)."""
+    from memfit.inference.cuda_graphs import DecodeGraphs
+
+    batch = prompts((3, 9, 5, 11))
+    lengths = (6, 13, 9, 11)
+    expected = [full_recompute(model, p, n) for p, n in zip(batch, lengths, strict=True)]
+    stop = expected[1][4]  # request 1 stops at its fifth token (any earlier one stops too)
+    cut = expected[1].index(stop)
+    cache = PagedKVCache(
+        model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=64, max_running=4)
+    engine.graphs = DecodeGraphs(model, cache, max_batch=4, max_seq_len=engine.max_context)
+    pipelined = []
+    engine._decode_pipelined = lambda run=engine._decode_pipelined: pipelined.append(1) or run()
+    for i, (prompt, n) in enumerate(zip(batch, lengths, strict=True)):
+        engine.add(prompt, SamplingParams(max_tokens=n, stop_token_ids=[stop] if i == 1 else []))
+    outputs = engine.run()
+    assert outputs[0] == expected[0] and outputs[2:] == expected[2:]
+    assert outputs[1] == expected[1][:cut]
+    assert engine.requests[1].finish_reason == "stop"
+    assert pipelined and engine.decode_steps > len(pipelined)
+    assert (engine.preemptions > 0) == (num_blocks == 9)
+    assert cache.pool.num_free == num_blocks and not cache.tables

@@ -16,7 +16,7 @@ import torch
 import memfit.ops._triton
 import memfit.ops.rms_norm as rms_norm_module
 from memfit.ops._triton import interpreter_enabled, triton_on_cpu
-from memfit.ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
+from memfit.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_backward, rms_norm_forward
 from tests.ops.paths import floor_for, on_path
 from tests.reference import assert_error_within, rms_norm_reference, saved_tensor_bytes
 
@@ -218,3 +218,27 @@ def test_launchers_reject_what_they_cannot_take():
 def test_bad_inputs_raise_value_error(x, weight, eps, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         rms_norm(x, weight, eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (3, 17, 1000), (5, 130)])
+def test_add_rms_norm_equals_the_add_then_the_norm(path: str, dtype, shape):
+    """Fused under no_grad (the Triton path: one launch), the same values bit for bit as the add
+    and then rms_norm; with a gradient needed, the two ops, differentiable."""
+    generator = torch.Generator().manual_seed(0)
+    x, branch = (torch.randn(shape, generator=generator).to(dtype) for _ in "xb")
+    weight = torch.rand(shape[-1], generator=generator) + 0.5
+    with torch.no_grad():
+        normed, total = add_rms_norm(x, branch, weight, EPS)
+    expected_total = x + branch
+    torch.testing.assert_close(total, expected_total, rtol=0, atol=0)
+    torch.testing.assert_close(normed, rms_norm(expected_total, weight, EPS), rtol=0, atol=0)
+    x.requires_grad_()
+    normed, total = add_rms_norm(x, branch, weight, EPS)
+    (normed.float().sum() + total.float().sum()).backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_add_rms_norm_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        add_rms_norm(torch.ones(2, 8), torch.ones(2, 8).bfloat16(), torch.ones(8), EPS)

@@ -14,7 +14,7 @@ import torch
 
 import memfit.ops.rms_norm as rms_norm_module
 import memfit.ops.swiglu as swiglu_module
-from memfit.ops.rms_norm import rms_norm
+from memfit.ops.rms_norm import add_rms_norm, rms_norm
 from memfit.ops.swiglu import swiglu
 from tests.reference import assert_error_within, rms_norm_reference, swiglu_reference
 
@@ -179,3 +179,15 @@ def test_faster_than_the_pytorch_path(monkeypatch, op: str):
         )
     assert triton_ms["forward graph"] < pytorch_ms["forward graph"]
     assert triton_ms["backward graph"] < pytorch_ms["backward graph"]
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), (64, 4096), (1023, 5000)])
+def test_add_rms_norm_equals_the_add_then_the_norm(rows: int, hidden: int):
+    """The fused residual add + norm of a decode step: bit for bit the add, then rms_norm."""
+    torch.manual_seed(0)
+    x, branch = (torch.randn(rows, hidden, device="cuda").bfloat16() for _ in "xb")
+    weight = 1 + 0.1 * torch.randn(hidden, device="cuda")
+    with torch.no_grad():
+        normed, total = add_rms_norm(x, branch, weight, EPS)
+        torch.testing.assert_close(total, x + branch, rtol=0, atol=0)
+        torch.testing.assert_close(normed, rms_norm(x + branch, weight, EPS), rtol=0, atol=0)

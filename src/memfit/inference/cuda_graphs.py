@@ -16,6 +16,8 @@ activations, not their sum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -52,6 +54,13 @@ class DecodeGraphs:
         self._rows_host = torch.zeros(max_batch, 4, dtype=torch.long, **pinned)
         self._table_host = torch.zeros(max_batch * width, dtype=torch.int32, **pinned)
         self._rows_staged = torch.zeros(max_batch, 4, dtype=torch.long, device=device)
+        # a pipelined step's inputs are staged while the step before it runs: the host buffers
+        # are rewritten only once their last copy has left (this event)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # the greedy tokens of two steps in flight, copied back without waiting
+        self._tokens_host = torch.zeros(2, max_batch, dtype=torch.long, **pinned)
+        self._flip = 0
+        self._last: Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, Tensor] = {}
         self.pool = None
@@ -98,26 +107,56 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= batch), None)
 
     @torch.inference_mode()
-    def run(self, seq_ids: list[int], tokens: list[int]) -> Tensor:
+    def run(self, seq_ids: list[int], tokens: list[int] | None) -> Tensor:
         """Decode one token of each sequence (its cache slot is reserved here): the logits
-        (len(seq_ids), vocab), a view of the graph's output valid until the next replay."""
+        (len(seq_ids), vocab), a view of the graph's output valid until the next replay.
+        tokens None: each row's token is the one `greedy` left on the device for it (the rows
+        are the last step's, in its order): the step is queued without waiting for the host."""
         bucket = self.bucket(len(seq_ids))
         self._stage(seq_ids, tokens, bucket)
         if bucket not in self.graphs:  # not captured (a CPU): the same step, run eagerly
-            return self._forward(bucket)[: len(seq_ids)]
-        self.graphs[bucket].replay()
-        return self.logits[bucket][: len(seq_ids)]
+            self._last = self._forward(bucket)[: len(seq_ids)]
+        else:
+            self.graphs[bucket].replay()
+            self._last = self.logits[bucket][: len(seq_ids)]
+        return self._last
 
-    def _stage(self, seq_ids: list[int], tokens: list[int], bucket: int) -> None:
+    @torch.inference_mode()
+    def greedy(self) -> Callable[[], list[int]]:
+        """The argmax of the last step's logits, written where the next step reads its tokens
+        and copied to the host without waiting. Returns a function that waits for the copy
+        and gives the tokens (call it before the step after next is queued)."""
+        batch = self._last.shape[0]
+        tokens = self.tokens[0, :batch]
+        torch.argmax(self._last, dim=-1, out=tokens)
+        host = self._tokens_host[self._flip, :batch]
+        self._flip ^= 1
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if self._copied is not None:
+            event = torch.cuda.Event()
+            event.record()
+
+        def wait() -> list[int]:
+            if event is not None:
+                event.synchronize()
+            return host.tolist()
+
+        return wait
+
+    def _stage(self, seq_ids: list[int], tokens: list[int] | None, bucket: int) -> None:
         """Fill the inputs of `bucket` rows: the sequences' (their slots reserved in the cache),
         then padding rows (token 0 at position 0 in the scratch block). Two host-to-device
-        copies, both from pinned memory, and one transpose on the device."""
+        copies, both from pinned memory, and one transpose on the device; without `tokens`
+        the token row is left as it is."""
         cache, batch = self.cache, len(seq_ids)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the host buffers
         rows = self._rows_host.numpy()
         for row, seq_id in enumerate(seq_ids):
             position = cache.lengths.get(seq_id, 0)
             (slot,) = cache.append(seq_id, 1)
-            rows[row] = (tokens[row], position, slot, position + 1)
+            rows[row] = (tokens[row] if tokens is not None else 0, position, slot, position + 1)
         tables = [cache.tables[seq_id] for seq_id in seq_ids]
         width = max((len(t) for t in tables), default=1)
         table = self._table_host.numpy()[: bucket * width].reshape(bucket, width)
@@ -127,7 +166,10 @@ class DecodeGraphs:
         table[batch:bucket, 0] = cache.scratch_block
         staged = self._rows_staged[:bucket]
         staged.copy_(self._rows_host[:bucket], non_blocking=True)
-        self._rows[:, :bucket].copy_(staged.T)
+        first = 0 if tokens is not None else 1
+        self._rows[first:, :bucket].copy_(staged.T[first:])
         self.block_table[:bucket, :width].copy_(
             self._table_host[: bucket * width].view(bucket, width), non_blocking=True
         )
+        if self._copied is not None:
+            self._copied.record()

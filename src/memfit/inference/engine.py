@@ -15,6 +15,11 @@ Each step the scheduler builds one batch:
 All of it runs as one forward (`paged_step`), the tokens of all sequences flattened into one row.
 A sequence samples a token when its whole prompt has been seen, and leaves, freeing its blocks,
 at a stop token or after max_tokens.
+
+When every running sequence decodes greedily from a captured step and none waits (batch-1 chat,
+an offline batch once admitted), steps are pipelined: each is queued on the GPU with the argmax
+of the one before it as its input, before the host has read those tokens, so the host's
+bookkeeping runs while the GPU computes (`_decode_pipelined`).
 """
 
 from __future__ import annotations
@@ -196,7 +201,11 @@ class Engine:
     # -- running --------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One scheduled forward and the sampling of the sequences whose prompt is done."""
+        """One scheduled forward and the sampling of the sequences whose prompt is done (or,
+        when every running sequence decodes greedily, several pipelined ones)."""
+        if self._can_pipeline():
+            self._decode_pipelined()
+            return
         batch = self._schedule()
         if not batch:
             raise RuntimeError(
@@ -241,6 +250,75 @@ class Engine:
         if decode:
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - start
+
+    # -- pipelined greedy decoding --------------------------------------------------------------
+
+    def _can_pipeline(self) -> bool:
+        """Every running sequence decodes greedily from a captured step, none waits, and the
+        pool has a slot for each: the steps can be queued back to back."""
+        running = self.running
+        return (
+            self.graphs is not None
+            and not self.waiting
+            and bool(running)
+            and self.graphs.bucket(len(running)) is not None
+            and all(r.computed == r.num_tokens - 1 and _plain_greedy(r.params) for r in running)
+            and self._fits_one_more(running)
+        )
+
+    def _fits_one_more(self, requests: list[Request]) -> bool:
+        needed = sum(self.cache.blocks_needed(r.id, 1) for r in requests)
+        return needed <= self.cache.pool.num_free
+
+    def _decode_pipelined(self, max_steps: int = 32) -> None:
+        """Up to `max_steps` greedy decode steps of the running sequences, each queued on the
+        GPU before the host has read the tokens of the one before it: the argmax stays on the
+        device as the next step's input, and the host stages, checks stops and frees blocks
+        while the GPU runs (vLLM's async scheduling), instead of the GPU waiting for the host
+        between steps. Ends after `max_steps` (the caller reports progress) or when a sequence
+        finishes: its next step, already queued, is then discarded (a stop token cannot be
+        known in advance; a finish by length is, and stops the pipeline before it)."""
+        requests, graphs = list(self.running), self.graphs
+        ids = [r.id for r in requests]
+        start = time.perf_counter()
+        graphs.run(ids, [r.pending(1)[0] for r in requests])
+        tokens_of = graphs.greedy()
+        for r in requests:
+            r.computed += 1
+        for count in range(1, max_steps + 1):
+            queue_next = (
+                count < max_steps
+                and all(len(r.output) + 1 < r.params.max_tokens for r in requests)
+                and self._fits_one_more(requests)
+            )
+            if queue_next:
+                graphs.run(ids, None)  # its tokens: the argmax the GPU left for it
+                next_tokens_of = graphs.greedy()
+            start = self._accept_decode_step(requests, tokens_of(), start)
+            if not queue_next:
+                return
+            for r in requests:
+                r.computed += 1  # the queued step writes the token just accepted
+            tokens_of = next_tokens_of
+            if any(r.finished for r in requests):
+                self._accept_decode_step(requests, tokens_of(), start)
+                return
+
+    def _accept_decode_step(self, requests: list[Request], tokens: list[int], start: float):
+        """A pipelined step's tokens, for the sequences still running; the step's statistics.
+        Returns the time it ended."""
+        for request, token in zip(requests, tokens, strict=True):
+            if not request.finished:
+                self._accept(request, token, None)
+        self.steps += 1
+        self.decode_steps += 1
+        self.peak_blocks = max(
+            self.peak_blocks, self.cache.pool.num_blocks - self.cache.pool.num_free
+        )
+        self.waste_samples.append(self.cache.waste())
+        end = time.perf_counter()
+        self.decode_seconds += end - start
+        return end
 
     def _accept(self, request: Request, token: int, logprob: float | None) -> None:
         """A sampled token: appended, or the end of the request (a stop token, a stop string,

@@ -24,8 +24,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from memfit import functional as MF
 from memfit.models.config import ModelConfig
 from memfit.nn.attention import AttentionMetadata
+from memfit.ops._triton import use_triton
+from memfit.ops.paged_write import rotary_paged_write
 
 
 class OutOfBlocks(RuntimeError):
@@ -196,6 +199,31 @@ class PagedKVCache:
         }
         device = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
         return AttentionMetadata(**device, max_query_len=max(num_new), max_seq_len=max(seq_lens))
+
+    def write_qkv(
+        self, layer: int, metadata: AttentionMetadata, qkv: Tensor, cos: Tensor, sin: Tensor,
+        heads_q: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """Attention's paged path: q and k of the step's fused projection `qkv` (1, tokens,
+        (heads_q + 2 heads_kv) * head_dim) rotated by the tables (tokens, head_dim), k and v
+        written into their slots. Returns q (1, tokens, heads_q, head_dim) and layer `layer`'s
+        pools. One kernel where Triton runs (memfit.ops.paged_write), the same values as the
+        rotation and two indexed writes that run elsewhere."""
+        keys, values = self.keys[layer], self.values[layer]
+        heads, dim = keys.shape[-2:]
+        flat = qkv.reshape(-1, qkv.shape[-1])
+        if use_triton(flat) and flat.dtype == keys.dtype:
+            q = rotary_paged_write(
+                flat, cos, sin, keys, values, metadata.slot_mapping, heads_q=heads_q
+            )
+            return q[None], keys, values
+        tokens = flat.shape[0]
+        q, k, v = flat.split([heads_q * dim, heads * dim, heads * dim], dim=-1)
+        q, k = MF.apply_rotary_qk(
+            q.view(1, tokens, heads_q, dim), k.view(1, tokens, heads, dim), cos, sin
+        )
+        self.update(layer, metadata, k, v)
+        return q, keys, values
 
     def update(
         self, layer: int, metadata: AttentionMetadata, k: Tensor, v: Tensor

@@ -10,7 +10,9 @@ writes k and v at `positions` into preallocated buffers and attends over the who
 `key_mask` (the keys at positions <= the query's, within the sliding window): shapes do not
 change from one decode step to the next, so a step can be compiled or captured in a CUDA graph
 (gpt-fast's pattern). A prefill from position 0 attends over its own tokens with the plain causal
-path and only writes the cache.
+path and only writes the cache. A paged cache (memfit.inference.PagedKVCache) takes the qkv
+projection whole: one kernel rotates q and k and writes k and v into their blocks
+(`PagedKVCache.write_qkv`), and the paged kernels attend over the blocks.
 
 Tensor parallelism (later): q, k and v come from one fused projection `qkv` (rows q | k | v).
 Each shard must hold whole heads of each; the fused weight is then interleaved per shard (shard i
@@ -114,6 +116,16 @@ class Attention(nn.Module):
         `update(layer, metadata, k, v) -> (keys, values)` (memfit.inference: KVCache, PagedKVCache)."""
         batch, seqlen, _ = x.shape
         qkv = self.qkv(x)  # (B, T, (nh + 2 * nkv) * hs)
+        if metadata is not None and metadata.block_table is not None:
+            # a paged cache: rotation and cache write in one kernel, then the paged kernels
+            q, keys, values = kv_cache.write_qkv(
+                self.layer_index, metadata, qkv, cos, sin, self.num_heads
+            )
+            y = MF.attention(
+                q, keys, values, causal=True, window=self.window, backend=self.backend,
+                metadata=metadata,
+            )  # fmt: skip
+            return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(batch, seqlen, self.num_heads, self.head_dim)  # (B, T, nh, hs)
@@ -125,8 +137,8 @@ class Attention(nn.Module):
         read = None
         if kv_cache is not None:
             cached_k, cached_v = kv_cache.update(self.layer_index, metadata, k, v)
-            if metadata.key_mask is not None or metadata.block_table is not None:
-                k, v, read = cached_k, cached_v, metadata  # decode, chunked prefill, paged
+            if metadata.key_mask is not None:
+                k, v, read = cached_k, cached_v, metadata  # decode, chunked prefill
         y = MF.attention(
             q, k, v, causal=True, window=self.window, backend=self.backend,
             mask=read.key_mask if read is not None else None, metadata=read,

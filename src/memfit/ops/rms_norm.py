@@ -47,9 +47,18 @@ import functools
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import HAS_TRITON, launch, promoted_dtype, rows_view, tl, triton, use_triton
+from memfit.ops._triton import (
+    HAS_TRITON,
+    launch,
+    promoted_dtype,
+    round_to_bf16,
+    rows_view,
+    tl,
+    triton,
+    use_triton,
+)
 
-__all__ = ["RMSNormFunction", "rms_norm", "rms_norm_backward", "rms_norm_forward"]
+__all__ = ["RMSNormFunction", "add_rms_norm", "rms_norm", "rms_norm_backward", "rms_norm_forward"]
 
 # Rows up to this size are normalized in registers in one pass (32 warps x 32 fp32 values per
 # thread per tensor at the limit); longer rows take the PyTorch path.
@@ -70,14 +79,22 @@ def _rms_norm_forward_kernel(
     weight_ptr,
     y_ptr,
     rstd_ptr,
+    branch_ptr,
+    sum_ptr,
     rows,
     hidden,
     stride_x_row,
     stride_y_row,
+    stride_branch_row,
+    stride_sum_row,
     eps,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROUND_BF16_BY_HAND: tl.constexpr,
 ):
+    """RESIDUAL: x is first replaced by x + branch, rounded to x's dtype (as torch's add
+    rounds) and stored to sum; the norm is then that of the stored sum."""
     row_index = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     col_index = tl.arange(0, BLOCK_HIDDEN)
     row_mask = row_index < rows
@@ -86,6 +103,15 @@ def _rms_norm_forward_kernel(
 
     x_ptrs = x_ptr + row_index[:, None] * stride_x_row + col_index[None, :]
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        b_ptrs = branch_ptr + row_index[:, None] * stride_branch_row + col_index[None, :]
+        x += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_BF16_BY_HAND:
+            x = round_to_bf16(x)
+        x_sum = x.to(sum_ptr.dtype.element_ty)
+        s_ptrs = sum_ptr + row_index[:, None] * stride_sum_row + col_index[None, :]
+        tl.store(s_ptrs, x_sum, mask=mask)
+        x = x_sum.to(tl.float32)
     weight = tl.load(weight_ptr + col_index, mask=col_mask, other=0.0).to(tl.float32)
 
     # Masked columns load as 0, so the sum is over the hidden real ones.
@@ -225,26 +251,45 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, T
     weight = weight.contiguous()
     y = torch.empty((rows, hidden), dtype=x2d.dtype, device=x2d.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x2d.device)
-    block_rows, block_hidden, num_warps = _tile(rows, hidden)
-    grid = (triton.cdiv(rows, block_rows),)
-    launch(
-        _rms_norm_forward_kernel,
-        grid,
-        x2d.device,
-        x2d,
-        weight,
-        y,
-        rstd,
-        rows,
-        hidden,
-        x2d.stride(0),
-        y.stride(0),
-        eps,
-        BLOCK_ROWS=block_rows,
-        BLOCK_HIDDEN=block_hidden,
-        num_warps=num_warps,
-    )
+    _launch_forward(x2d, weight, eps, y, rstd)
     return y, rstd
+
+
+def _launch_forward(x2d, weight, eps, y, rstd, branch=None, total=None) -> None:
+    rows, hidden = x2d.shape
+    block_rows, block_hidden, num_warps = _tile(rows, hidden)
+    residual = branch is not None
+    branch, total = (branch, total) if residual else (x2d, x2d)
+    launch(
+        _rms_norm_forward_kernel, (triton.cdiv(rows, block_rows),), x2d.device,
+        x2d, weight, y, rstd, branch, total, rows, hidden, x2d.stride(0), y.stride(0),
+        branch.stride(0), total.stride(0), eps,
+        BLOCK_ROWS=block_rows, BLOCK_HIDDEN=block_hidden, RESIDUAL=residual,
+        ROUND_BF16_BY_HAND=x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+def add_rms_norm(x: Tensor, branch: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A residual add and the RMSNorm after it, `s = x + branch; return rms_norm(s), s`, in one
+    kernel where Triton runs and no gradient is needed (inference: a decode layer's two adds
+    are two launches fewer); the two ops otherwise. x, branch: (..., hidden) of one dtype and
+    shape. The same values either way: s is rounded to x's dtype before it is normalized."""
+    if x.shape != branch.shape or x.dtype != branch.dtype:
+        raise ValueError(
+            f"add_rms_norm expects x and branch of one shape and dtype, got {tuple(x.shape)} "
+            f"{x.dtype} and {tuple(branch.shape)} {branch.dtype}"
+        )
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, branch, weight))
+    if grad or not _use_triton(x, weight):
+        total = x + branch
+        return rms_norm(total, weight, eps), total
+    x2d, b2d = rows_view(x), rows_view(branch)
+    total = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(total)
+    rstd = torch.empty(x2d.shape[0], dtype=torch.float32, device=x.device)
+    _launch_forward(x2d, weight.contiguous(), eps, y, rstd, b2d, total)
+    return y.view(x.shape), total.view(x.shape)
 
 
 def rms_norm_backward(

@@ -47,8 +47,10 @@ class Block(nn.Module):
     def forward(self, x: Tensor, *attention_inputs) -> Tensor:
         """x: (batch, seqlen, hidden); attention_inputs: what `Attention.forward` takes after
         its input (cos, sin, metadata, kv_cache)."""
-        x = x + self.attention(self.attention_norm(x), *attention_inputs)
-        return x + self.mlp(self.mlp_norm(x))
+        branch = self.attention(self.attention_norm(x), *attention_inputs)
+        # x + branch and its norm: one kernel when no gradient is needed (a decode step)
+        normed, x = MF.add_rms_norm(x, branch, self.mlp_norm.weight, self.mlp_norm.eps)
+        return x + self.mlp(normed)
 
 
 class Llama(nn.Module):

@@ -15,7 +15,10 @@ pads it to 16 rows, the smallest matrix product, which costs nothing in a memory
 Decode (Dao et al. 2023, "Flash-Decoding"): one program per (sequence, kv head) leaves most SMs
 idle when there are few sequences (batch 1 at 32k: 8 programs on 132 SMs). The context is then
 cut into `num_splits` ranges, one program each, that write an unnormalized partial output with
-its running max and sum (fp32); a second kernel merges them:
+its running max and sum (fp32); a second kernel merges them. The split count is fixed per launch
+(a captured decode step replays it for every context up to its bound); each sequence's own
+length is cut into that many ranges of whole tiles, so a short context spreads over the programs
+as a long one does and the splits past its end are empty:
 
     M = max_i m_i,  w_i = exp2(m_i - M),  out = sum_i w_i acc_i / sum_i w_i l_i
 
@@ -107,7 +110,7 @@ def _attend_pages(
 # Integers that change from step to step are not specialized on (Triton compiles a variant per
 # value class, == 1 or a multiple of 16, by default): a serving engine would compile anew in the
 # middle of its run whenever the batch crossed one.
-@triton.jit(do_not_specialize=["window", "chunk", "num_splits"])
+@triton.jit(do_not_specialize=["window", "num_splits"])
 def _decode_kernel(
     Q,
     K,
@@ -131,7 +134,6 @@ def _decode_kernel(
     stride_table,
     qk_scale,
     window,
-    chunk,
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -156,8 +158,12 @@ def _decode_kernel(
 
     pos = seqlen - 1
     first = tl.maximum(pos - window + 1, 0)
-    lo = tl.maximum(split * chunk, first)
-    hi = tl.minimum(split * chunk + chunk, seqlen)
+    # this sequence's keys [first, seqlen) cut into num_splits ranges of whole tiles: the ranges
+    # follow the real length, not the longest one the launch allows (a captured step's split
+    # count is fixed for any context); the splits past the last key are empty
+    chunk = tl.cdiv(tl.cdiv(seqlen - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -396,8 +402,6 @@ def paged_attention(
         else:
             block_n, warps, stages = DECODE_CONFIGS.get(block_d, DECODE_CONFIGS[128])
         splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
-        chunk = -(-max_seq_len // splits)
-        chunk = -(-chunk // block_n) * block_n
         part = {}
         if splits > 1:
             rows = num_seqs * heads_q * splits
@@ -407,8 +411,8 @@ def paged_attention(
         acc, m, lse = part.get("acc", out), part.get("m", out), part.get("l", out)
         launch(
             _decode_kernel, (num_seqs, heads_kv, splits), q.device,
-            q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, *common, chunk,
-            splits, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+            q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, *common, splits,
+            GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, INTERPRET=interpret,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip

@@ -1,0 +1,173 @@
+"""A step's queries, keys and values from the fused qkv projection into attention's inputs: q
+rotated (RoPE), k rotated and v written into their slots of a paged KV pool. One kernel.
+
+Unfused, a decode layer runs the rotation of q and k (one kernel), a copy of v out of the qkv
+view, and one indexed write per pool: four launches of a few microseconds each on a step whose
+token count is the batch, 64 per step of a 16-layer model. Here a program owns a block of
+(token, head) rows of one of q, k or v (scalar selects pick which, so one compiled kernel serves
+all three) and writes each row once: q's to a contiguous (tokens, heads_q, head_dim) tensor, k's
+and v's to `slots[token]` of their pools.
+
+Numerics: the rotation is `memfit.ops.rotary`'s, term for term (x1 * c1 - x2 * s1 in the tables'
+dtype, no FMA contraction, one rounding), so the result equals apply_rotary_qk's bit for bit and
+a model gives the same tokens with either path. v passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from memfit.ops._triton import launch, round_to_bf16, tl, triton
+
+__all__ = ["rotary_paged_write"]
+
+_BLOCK_ELEMENTS = 2048  # elements of each half of head_dim per program, as the rotary kernel's
+
+
+@triton.jit
+def _rotary_paged_write_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    q_out_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    num_tokens,
+    heads_q,
+    heads_kv,
+    q_head_blocks,
+    kv_head_blocks,
+    stride_qkv,
+    stride_table,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    HALF: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    ROUND_BF16_BY_HAND: tl.constexpr,
+):
+    """Program (token block, head block): head blocks [0, q) are q's, [q, q + kv) k's, the rest
+    v's. qkv: (tokens, (heads_q + 2 heads_kv) * 2 HALF), rows q | k | v; tables (tokens, 2 HALF)."""
+    token_block = tl.program_id(0)
+    head_block = tl.program_id(1)
+    is_q = head_block < q_head_blocks
+    is_v = head_block >= q_head_blocks + kv_head_blocks
+    kind_start = tl.where(is_q, 0, tl.where(is_v, q_head_blocks + kv_head_blocks, q_head_blocks))
+    num_heads = tl.where(is_q, heads_q, heads_kv)
+    # the first head of this kind in the qkv row
+    first_head = tl.where(is_q, 0, tl.where(is_v, heads_q + heads_kv, heads_q))
+
+    tokens = token_block.to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    heads = (head_block - kind_start) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    dims = tl.arange(0, BLOCK_HALF)
+    token_ok = tokens < num_tokens
+    mask = (
+        token_ok[:, None, None] & (heads < num_heads)[None, :, None] & (dims < HALF)[None, None, :]
+    )
+
+    in_offsets = (
+        (tokens * stride_qkv)[:, None, None]
+        + ((first_head + heads) * (2 * HALF))[None, :, None]
+        + dims[None, None, :]
+    )
+    table_offsets = (tokens * stride_table)[:, None, None] + (heads * 0)[None, :, None]
+    table_offsets += dims[None, None, :]
+    cos1 = tl.load(cos_ptr + table_offsets, mask=mask, other=0.0)
+    cos2 = tl.load(cos_ptr + table_offsets + HALF, mask=mask, other=0.0)
+    sin1 = tl.load(sin_ptr + table_offsets, mask=mask, other=0.0)
+    sin2 = tl.load(sin_ptr + table_offsets + HALF, mask=mask, other=0.0)
+    x1 = tl.load(qkv_ptr + in_offsets, mask=mask, other=0.0).to(cos1.dtype)
+    x2 = tl.load(qkv_ptr + in_offsets + HALF, mask=mask, other=0.0).to(cos1.dtype)
+    out1 = tl.where(is_v, x1, x1 * cos1 - x2 * sin1)
+    out2 = tl.where(is_v, x2, x2 * cos2 + x1 * sin2)
+    if ROUND_BF16_BY_HAND:
+        out1, out2 = round_to_bf16(out1), round_to_bf16(out2)
+
+    slots = tl.load(slots_ptr + tokens, mask=token_ok, other=0)
+    if is_q:
+        out_ptr = q_out_ptr
+        rows = (tokens * heads_q)[:, None, None] + heads[None, :, None]
+        out_offsets = rows * (2 * HALF) + dims[None, None, :]
+    else:
+        out_ptr = tl.where(is_v, v_pool_ptr, k_pool_ptr)
+        stride_slot = tl.where(is_v, stride_v_slot, stride_k_slot)
+        stride_head = tl.where(is_v, stride_v_head, stride_k_head)
+        out_offsets = (
+            (slots * stride_slot)[:, None, None]
+            + (heads * stride_head)[None, :, None]
+            + dims[None, None, :]
+        )
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + out_offsets, out1.to(out_dtype), mask=mask)
+    tl.store(out_ptr + out_offsets + HALF, out2.to(out_dtype), mask=mask)
+
+
+def rotary_paged_write(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    key_pool: Tensor,
+    value_pool: Tensor,
+    slots: Tensor,
+    *,
+    heads_q: int,
+) -> Tensor:
+    """Rotate q and k of `qkv` by the tables, write k and v to `slots` of the pools, return q.
+
+    qkv: (tokens, (heads_q + 2 heads_kv) * head_dim), rows q | k | v, unit stride in the last
+    dim; cos, sin: (tokens, head_dim) at the tokens' positions (fp32, `rotary_cos_sin`);
+    key_pool, value_pool: (num_blocks, block_size, heads_kv, head_dim) of one layer, qkv's dtype,
+    head_dim contiguous; slots: (tokens,) int64, slot s = block s // block_size, offset
+    s % block_size. Returns q rotated, (tokens, heads_q, head_dim) contiguous, qkv's dtype.
+    Runs where Triton runs (the caller decides; the plain path is apply_rotary_qk + index_copy_).
+    """
+    tokens, width = qkv.shape
+    _, _, heads_kv, head_dim = key_pool.shape
+    if width != (heads_q + 2 * heads_kv) * head_dim or head_dim % 2:
+        raise ValueError(
+            f"qkv of width {width} does not hold {heads_q} query and 2 x {heads_kv} key/value "
+            f"heads of (even) head_dim {head_dim}"
+        )
+    if value_pool.shape != key_pool.shape or {key_pool.dtype, value_pool.dtype} != {qkv.dtype}:
+        raise ValueError(
+            f"key and value pools {tuple(key_pool.shape)} {key_pool.dtype} / "
+            f"{tuple(value_pool.shape)} {value_pool.dtype} must match each other and qkv's dtype "
+            f"{qkv.dtype}"
+        )
+    if qkv.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
+        raise ValueError("rotary_paged_write needs head_dim contiguous in qkv and the pools")
+    if cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be ({tokens}, {head_dim}), got {tuple(cos.shape)}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty(tokens, heads_q, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_heads = min(
+        triton.next_power_of_2(min(heads_q, heads_kv)), max(1, _BLOCK_ELEMENTS // block_half)
+    )
+    block_tokens = min(
+        triton.next_power_of_2(tokens), max(1, _BLOCK_ELEMENTS // (block_heads * block_half))
+    )
+    num_warps = min(4, max(1, block_tokens * block_heads * block_half // 512))
+    q_blocks, kv_blocks = triton.cdiv(heads_q, block_heads), triton.cdiv(heads_kv, block_heads)
+    grid = (triton.cdiv(tokens, block_tokens), q_blocks + 2 * kv_blocks)
+    k_slots = key_pool.view(-1, heads_kv, head_dim) if key_pool.is_contiguous() else None
+    if k_slots is None or not value_pool.is_contiguous():
+        raise ValueError("rotary_paged_write needs contiguous pools (one layer's, as allocated)")
+    launch(
+        _rotary_paged_write_kernel, grid, qkv.device,
+        qkv, cos, sin, slots, q, key_pool, value_pool, tokens, heads_q, heads_kv, q_blocks,
+        kv_blocks, qkv.stride(0), cos.stride(0), heads_kv * head_dim, head_dim,
+        heads_kv * head_dim, head_dim,
+        HALF=half, BLOCK_TOKENS=block_tokens, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
+        ROUND_BF16_BY_HAND=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return q

@@ -1,0 +1,67 @@
+"""rotary_paged_write (one kernel: q and k rotated, k and v into their pool slots) against the
+plain path it replaces (apply_rotary_qk, then index_copy_ into the pools): equal bit for bit, on
+CPU under Triton's interpreter and, where there is one, on the GPU at a decode batch and a
+prefill chunk."""
+
+import pytest
+import torch
+
+from memfit.ops._triton import triton_on_cpu
+from memfit.ops.paged_write import rotary_paged_write
+from memfit.ops.rotary import apply_rotary_qk, rotary_cos_sin
+
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU: the interpreter
+
+
+def _case(tokens, heads_q, heads_kv, head_dim, dtype, device, page=16, blocks=40, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    width = (heads_q + 2 * heads_kv) * head_dim
+    # a (1, tokens, width) projection output, as the Linear gives it, plus a column of padding
+    # so that the row stride is not the width
+    qkv = torch.randn(tokens, width + 8, generator=generator).to(dtype)[:, :width].to(device)
+    positions = torch.randperm(blocks * page, generator=generator)[:tokens].to(device)
+    cos, sin = rotary_cos_sin(positions, head_dim, 10000.0, None, device=device)
+    # distinct slots, scattered over non-contiguous blocks
+    slots = torch.randperm(blocks * page, generator=generator)[:tokens].to(device)
+    pools = [
+        torch.zeros(blocks, page, heads_kv, head_dim, dtype=dtype, device=device) for _ in "kv"
+    ]
+    return qkv, cos, sin, slots, pools
+
+
+def _reference(qkv, cos, sin, slots, pools, heads_q, heads_kv, head_dim):
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([heads_q * head_dim, heads_kv * head_dim, heads_kv * head_dim], -1)
+    q, k = apply_rotary_qk(
+        q.reshape(1, tokens, heads_q, head_dim), k.reshape(1, tokens, heads_kv, head_dim), cos, sin
+    )
+    keys, values = (p.clone() for p in pools)
+    keys.view(-1, heads_kv, head_dim).index_copy_(0, slots, k[0])
+    values.view(-1, heads_kv, head_dim).index_copy_(0, slots, v.reshape(tokens, heads_kv, head_dim))
+    return q[0], keys, values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens,heads_q,heads_kv,head_dim",
+    [(1, 32, 8, 64), (5, 8, 2, 128), (37, 4, 4, 64), (3, 8, 1, 48), (19, 6, 2, 32)],
+)
+def test_equals_rotation_then_indexed_writes(tokens, heads_q, heads_kv, head_dim, dtype, device):
+    if device == "cuda":
+        tokens *= 7  # a prefill-sized chunk too
+    qkv, cos, sin, slots, pools = _case(tokens, heads_q, heads_kv, head_dim, dtype, device)
+    with triton_on_cpu():
+        expected = _reference(qkv, cos, sin, slots, pools, heads_q, heads_kv, head_dim)
+        keys, values = pools
+        q = rotary_paged_write(qkv, cos, sin, keys, values, slots, heads_q=heads_q)
+    for got, want in zip((q, keys, values), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_rejects_mismatched_shapes():
+    qkv, cos, sin, slots, (keys, values) = _case(4, 8, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="does not hold 4 query"):
+        rotary_paged_write(qkv, cos, sin, keys, values, slots, heads_q=4)
+    with pytest.raises(ValueError, match="must match each other"):
+        rotary_paged_write(qkv, cos, sin, keys, values.bfloat16(), slots, heads_q=8)
