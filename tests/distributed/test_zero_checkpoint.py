@@ -9,6 +9,7 @@ of the weights too), the weights are written once, and they export to safetensor
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import random
 from collections import defaultdict
@@ -209,6 +210,10 @@ def worker(rank: int, world_size: int, store: str, root: str) -> None:
         results[("odd", stage)] = named(model, zero)
     if rank == 0:
         torch.save(results, root / "resumed.pt")
+    # the process group dies here, not at interpreter exit (gloo's threads abort there)
+    del model, zero
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ import torch
 
 from memfit.inference import Engine, PagedKVCache, SamplingParams
 from memfit.models import PRESETS, build_model
-from memfit.ops._triton import triton_on_cpu
+from memfit.ops._triton import interpreter_enabled, triton_on_cpu
 
 
 def full_recompute(model, prompt, steps):
@@ -43,6 +43,8 @@ def prompts(lengths, seed=1):
     ],
 )
 def test_greedy_outputs_match_full_recompute(model, num_blocks, max_step_tokens, preempts, kernels):
+    if kernels and not interpreter_enabled():
+        pytest.skip("the kernels on CPU need TRITON_INTERPRET=1 (test_engine_gpu.py runs them)")
     steps, lengths = 6, (3, 9, 5, 11)
     cache = PagedKVCache(
         model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu"

@@ -3,6 +3,8 @@ steps replayed from CUDA graphs give the greedy tokens of full recompute for a m
 a roomy pool and with one so small that sequences are preempted; the offline LLM API sizes its
 pool from the GPU and reports its stats."""
 
+import gc
+
 import pytest
 import torch
 
@@ -39,10 +41,12 @@ def test_graphs_and_kernels_match_full_recompute(num_blocks, max_step_tokens):
 
 
 def test_llm_on_a_preset_fills_the_gpu_and_reports():
+    gc.collect()
+    held = torch.cuda.memory_allocated()  # by earlier tests of this process: the LLM leaves it
     llm = LLM("tiny", memory_fraction=0.3, max_running=16)
     total = torch.cuda.get_device_properties(0).total_memory
     pool = llm.cache.keys.numel() * llm.cache.keys.element_size() * 2
-    assert 0.2 * total < pool < 0.3 * total
+    assert 0.2 * total - held < pool < 0.3 * total - held
     outputs = llm.generate(prompts((5, 30, 2)), SamplingParams(max_tokens=20), progress=False)
     assert [len(o.token_ids) for o in outputs] == [20, 20, 20]
     assert all(o.finish_reason == "length" for o in outputs)
