@@ -21,6 +21,7 @@ from memfit.ops.attention import (
 )
 from memfit.ops.attention.paged import paged_attention
 from memfit.ops.cross_entropy import linear_cross_entropy
+from memfit.ops.gemv import gemv
 from memfit.ops.rms_norm import add_rms_norm, rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
 from memfit.ops.swiglu import swiglu
@@ -33,6 +34,7 @@ __all__ = [
     "attention",
     "flash_attention",
     "flash_attention_varlen",
+    "linear",
     "linear_cross_entropy",
     "register_attention_backend",
     "resolve_attention",
@@ -147,6 +149,25 @@ def attention(
         )
     kernel = _ATTENTION_BACKENDS[backend]
     return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias); an x of one row (a batch-1 decode step) takes memfit's Triton
+    matrix-vector product (memfit.ops.gemv) where Triton runs, the dtypes agree and no gradient
+    is needed."""
+    if (
+        x.numel() == x.shape[-1] == weight.shape[1]
+        and x.dtype == weight.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and weight.stride(1) == 1
+        and not (
+            torch.is_grad_enabled()
+            and any(t.requires_grad for t in (x, weight, bias) if t is not None)
+        )
+        and use_triton(x)
+    ):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metadata=None) -> Tensor:

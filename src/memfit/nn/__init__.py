@@ -2,7 +2,8 @@
 `memfit.models` compose them."""
 
 from memfit.nn.attention import Attention, AttentionMetadata
+from memfit.nn.linear import Linear
 from memfit.nn.mlp import SwiGLUMLP
 from memfit.nn.norm import RMSNorm
 
-__all__ = ["Attention", "AttentionMetadata", "RMSNorm", "SwiGLUMLP"]
+__all__ = ["Attention", "AttentionMetadata", "Linear", "RMSNorm", "SwiGLUMLP"]

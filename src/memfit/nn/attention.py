@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from memfit import functional as MF
+from memfit.nn.linear import Linear
 
 
 @dataclass
@@ -100,8 +101,8 @@ class Attention(nn.Module):
         self.layer_index, self.backend, self.window = layer_index, backend, window
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
-        self.out = nn.Linear(q_size, hidden_size, bias=False)
+        self.qkv = Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.out = Linear(q_size, hidden_size, bias=False)
 
     def forward(
         self,

@@ -11,13 +11,14 @@ import torch.nn as nn
 from torch import Tensor
 
 from memfit import functional as MF
+from memfit.nn.linear import Linear
 
 
 class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(MF.swiglu(self.gate_up(x)))

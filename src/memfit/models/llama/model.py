@@ -24,7 +24,7 @@ from torch import Tensor
 
 from memfit import functional as MF
 from memfit.models.config import ModelConfig
-from memfit.nn import Attention, AttentionMetadata, RMSNorm, SwiGLUMLP
+from memfit.nn import Attention, AttentionMetadata, Linear, RMSNorm, SwiGLUMLP
 
 
 class Block(nn.Module):
@@ -71,7 +71,7 @@ class Llama(nn.Module):
         self.lm_head = (
             None
             if config.tie_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     @property
@@ -130,7 +130,7 @@ class Llama(nn.Module):
             x = x[:, logits_at]
         x = self.norm(x)
         if targets is None:
-            return x @ self.output_weight.to(x.dtype).T  # (B, T, vocab)
+            return MF.linear(x, self.output_weight.to(x.dtype))  # (B, T, vocab)
         return MF.linear_cross_entropy(
             x.reshape(batch * seqlen, -1), self.output_weight, targets.reshape(-1)
         )
