@@ -163,3 +163,35 @@ def test_pipelined_greedy_decoding_matches_full_recompute(model, num_blocks):
     assert pipelined and engine.decode_steps > len(pipelined)
     assert (engine.preemptions > 0) == (num_blocks == 9)
     assert cache.pool.num_free == num_blocks and not cache.tables
+
+
+def test_pipelined_sampling_draws_what_the_plain_steps_draw(model):
+    """Seeded sampled rows (temperature, top-p, top-k, min-p, repetition penalty, log-probs)
+    decoded in pipelined steps draw the tokens, and report the log-probs, of ordinary steps: a
+    queued step's seeded rows count the token still on its way to the host."""
+    from memfit.inference.cuda_graphs import DecodeGraphs
+
+    batch = prompts((3, 9, 5, 11))
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.8, seed=1, logprobs=True),
+        SamplingParams(max_tokens=12, temperature=1.2, top_p=0.9, seed=2),
+        SamplingParams(max_tokens=7, temperature=0.7, top_k=20, min_p=0.05, seed=3),
+        SamplingParams(max_tokens=10, repetition_penalty=1.3, logprobs=True),  # greedy
+    ]
+    results = []
+    for pipelined in (False, True):
+        cache = PagedKVCache(
+            model.config, num_blocks=40, block_size=4, dtype=torch.float32, device="cpu"
+        )
+        engine = Engine(model, cache, max_step_tokens=64, max_running=4, seed=0)
+        if pipelined:
+            engine.graphs = DecodeGraphs(model, cache, max_batch=4, max_seq_len=engine.max_context)
+        for prompt, p in zip(batch, params, strict=True):
+            engine.add(prompt, p)
+        engine.run()
+        results.append([(r.output, r.logprobs) for r in engine.requests])
+    for (plain_tokens, plain_logprobs), (tokens, logprobs) in zip(*results, strict=True):
+        assert tokens == plain_tokens
+        if plain_logprobs is not None:
+            # the same tokens; the logits differ in the last bits (a padded step vs paged_step)
+            torch.testing.assert_close(logprobs, plain_logprobs, rtol=1e-5, atol=1e-5)

@@ -59,6 +59,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         # the greedy tokens of two steps in flight, copied back without waiting
         self._tokens_host = torch.zeros(2, max_batch, dtype=torch.long, **pinned)
+        self._logprobs_host = torch.zeros(2, max_batch, dtype=torch.float32, **pinned)
         self._flip = 0
         self._last: Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -121,26 +122,48 @@ class DecodeGraphs:
             self._last = self.logits[bucket][: len(seq_ids)]
         return self._last
 
+    @property
+    def last_logits(self) -> Tensor:
+        """The logits of the last `run`."""
+        return self._last
+
     @torch.inference_mode()
-    def greedy(self) -> Callable[[], list[int]]:
-        """The argmax of the last step's logits, written where the next step reads its tokens
-        and copied to the host without waiting. Returns a function that waits for the copy
-        and gives the tokens (call it before the step after next is queued)."""
-        batch = self._last.shape[0]
-        tokens = self.tokens[0, :batch]
+    def greedy(self) -> Callable[[], tuple[list[int], None]]:
+        """The argmax of the last step's logits, written where the next step reads its tokens;
+        see `feed`."""
+        tokens = self.tokens[0, : self._last.shape[0]]
         torch.argmax(self._last, dim=-1, out=tokens)
-        host = self._tokens_host[self._flip, :batch]
+        return self._send(tokens, None)
+
+    @torch.inference_mode()
+    def feed(
+        self, tokens: Tensor, logprobs: Tensor | None
+    ) -> Callable[[], tuple[list[int], list[float] | None]]:
+        """Tokens drawn on the device from the last step's logits (one per row, with their
+        log-probabilities or None), written where the next step reads its tokens and copied to
+        the host without waiting. Returns a function that waits for the copy and gives them
+        (call it before the step after next is queued)."""
+        self.tokens[0, : tokens.shape[0]].copy_(tokens)
+        return self._send(tokens, logprobs)
+
+    def _send(self, tokens: Tensor, logprobs: Tensor | None):
+        batch, flip = tokens.shape[0], self._flip
         self._flip ^= 1
+        host = self._tokens_host[flip, :batch]
         host.copy_(tokens, non_blocking=True)
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = self._logprobs_host[flip, :batch]
+            host_logprobs.copy_(logprobs, non_blocking=True)
         event = None
         if self._copied is not None:
             event = torch.cuda.Event()
             event.record()
 
-        def wait() -> list[int]:
+        def wait() -> tuple[list[int], list[float] | None]:
             if event is not None:
                 event.synchronize()
-            return host.tolist()
+            return host.tolist(), host_logprobs.tolist() if host_logprobs is not None else None
 
         return wait
 

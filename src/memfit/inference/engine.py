@@ -16,9 +16,9 @@ All of it runs as one forward (`paged_step`), the tokens of all sequences flatte
 A sequence samples a token when its whole prompt has been seen, and leaves, freeing its blocks,
 at a stop token or after max_tokens.
 
-When every running sequence decodes greedily from a captured step and none waits (batch-1 chat,
-an offline batch once admitted), steps are pipelined: each is queued on the GPU with the argmax
-of the one before it as its input, before the host has read those tokens, so the host's
+When every running sequence decodes from a captured step and none waits (batch-1 chat, an
+offline batch once admitted), steps are pipelined: each is queued on the GPU with the tokens
+drawn by the one before it as its input, before the host has read those tokens, so the host's
 bookkeeping runs while the GPU computes (`_decode_pipelined`).
 """
 
@@ -254,15 +254,15 @@ class Engine:
     # -- pipelined greedy decoding --------------------------------------------------------------
 
     def _can_pipeline(self) -> bool:
-        """Every running sequence decodes greedily from a captured step, none waits, and the
-        pool has a slot for each: the steps can be queued back to back."""
+        """Every running sequence decodes from a captured step, none waits, and the pool has a
+        slot for each: the steps can be queued back to back."""
         running = self.running
         return (
             self.graphs is not None
             and not self.waiting
             and bool(running)
             and self.graphs.bucket(len(running)) is not None
-            and all(r.computed == r.num_tokens - 1 and _plain_greedy(r.params) for r in running)
+            and all(r.computed == r.num_tokens - 1 for r in running)
             and self._fits_one_more(running)
         )
 
@@ -271,18 +271,20 @@ class Engine:
         return needed <= self.cache.pool.num_free
 
     def _decode_pipelined(self, max_steps: int = 32) -> None:
-        """Up to `max_steps` greedy decode steps of the running sequences, each queued on the
-        GPU before the host has read the tokens of the one before it: the argmax stays on the
-        device as the next step's input, and the host stages, checks stops and frees blocks
-        while the GPU runs (vLLM's async scheduling), instead of the GPU waiting for the host
-        between steps. Ends after `max_steps` (the caller reports progress) or when a sequence
-        finishes: its next step, already queued, is then discarded (a stop token cannot be
-        known in advance; a finish by length is, and stops the pipeline before it)."""
+        """Up to `max_steps` decode steps of the running sequences, each queued on the GPU
+        before the host has read the tokens of the one before it: the tokens drawn on the device
+        (argmax, or the sampler's) stay there as the next step's input, and the host stages,
+        checks stops and frees blocks while the GPU runs (vLLM's async scheduling), instead of
+        the GPU waiting for the host between steps. Ends after `max_steps` (the caller reports
+        progress) or when a sequence finishes: its next step, already queued, is then discarded
+        (a stop token cannot be known in advance; a finish by length is, and stops the pipeline
+        before it)."""
         requests, graphs = list(self.running), self.graphs
         ids = [r.id for r in requests]
+        plain = all(_plain_greedy(r.params) for r in requests)
         start = time.perf_counter()
         graphs.run(ids, [r.pending(1)[0] for r in requests])
-        tokens_of = graphs.greedy()
+        tokens_of = self._draw(requests, plain, ahead=0)
         for r in requests:
             r.computed += 1
         for count in range(1, max_steps + 1):
@@ -292,24 +294,34 @@ class Engine:
                 and self._fits_one_more(requests)
             )
             if queue_next:
-                graphs.run(ids, None)  # its tokens: the argmax the GPU left for it
-                next_tokens_of = graphs.greedy()
-            start = self._accept_decode_step(requests, tokens_of(), start)
+                graphs.run(ids, None)  # its tokens: those just drawn, still on the GPU
+                # drawn for outputs one token longer than the host has seen so far
+                next_tokens_of = self._draw(requests, plain, ahead=1)
+            start = self._accept_decode_step(requests, *tokens_of(), start)
             if not queue_next:
                 return
             for r in requests:
                 r.computed += 1  # the queued step writes the token just accepted
             tokens_of = next_tokens_of
             if any(r.finished for r in requests):
-                self._accept_decode_step(requests, tokens_of(), start)
+                self._accept_decode_step(requests, *tokens_of(), start)
                 return
 
-    def _accept_decode_step(self, requests: list[Request], tokens: list[int], start: float):
+    def _draw(self, requests: list[Request], plain: bool, ahead: int):
+        """The tokens of the step just queued, drawn on the device where the next step reads
+        them; returns the function that waits for their copy to the host."""
+        if plain:
+            return self.graphs.greedy()
+        prepared = self.sampler.prepare(requests, ahead=ahead)
+        drawn = self.sampler.sample(self.graphs.last_logits, prepared)
+        return self.graphs.feed(drawn.token_ids, drawn.logprobs)
+
+    def _accept_decode_step(self, requests, tokens, logprobs, start: float) -> float:
         """A pipelined step's tokens, for the sequences still running; the step's statistics.
         Returns the time it ended."""
-        for request, token in zip(requests, tokens, strict=True):
+        for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
             if not request.finished:
-                self._accept(request, token, None)
+                self._accept(request, token, logprobs[row] if logprobs is not None else None)
         self.steps += 1
         self.decode_steps += 1
         self.peak_blocks = max(

@@ -312,9 +312,11 @@ class Sampler:
 
     # -- host side --------------------------------------------------------------------------
 
-    def prepare(self, requests: Sequence[SamplingRequest]) -> SamplingBatch:
+    def prepare(self, requests: Sequence[SamplingRequest], *, ahead: int = 0) -> SamplingBatch:
         """The step's rows, in the order of the logits' rows. One pass over the requests on the
-        host, one host -> device copy (pinned and asynchronous on CUDA)."""
+        host, one host -> device copy (pinned and asynchronous on CUDA). `ahead`: tokens each
+        request has drawn that the host has not appended to its output yet (a pipelined step,
+        queued before the last step's tokens came back; its seeded rows count them)."""
         rows = len(requests)
         if rows == 0:
             raise ValueError("prepare needs at least one request")
@@ -352,7 +354,7 @@ class Sampler:
             if params.min_p > 0:
                 min_p_offset[row], any_min_p = params.temperature * math.log(params.min_p), True
             if params.seed is not None:
-                seeds[row], counters[row] = params.seed % 2**64, len(request.output)
+                seeds[row], counters[row] = params.seed % 2**64, len(request.output) + ahead
                 seeded[row] = True
         sampled = rows - len(greedy_rows)
 
