@@ -269,9 +269,11 @@ class LLM:
         start = time.perf_counter()
         with Progress(*columns, transient=True) as bar:
             task = bar.add_task("generating", total=len(request_ids), rate="")
+            shown = engine.steps
             while engine.waiting or engine.running:
-                engine.step()
-                if engine.steps % 8 == 0 or not (engine.waiting or engine.running):
+                engine.step()  # one step, or up to 32 pipelined ones
+                if engine.steps >= shown + 8 or not (engine.waiting or engine.running):
+                    shown = engine.steps
                     done = sum(engine.requests[i].finished for i in request_ids)
                     tokens = sum(len(engine.requests[i].output) for i in request_ids)
                     rate = f"{tokens / (time.perf_counter() - start):,.0f} tok/s"
