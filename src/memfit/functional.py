@@ -151,37 +151,23 @@ def attention(
     return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata)
 
 
-def linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    *,
-    norm: tuple[Tensor, float] | None = None,
-    swiglu_input: bool = False,
-    residual: Tensor | None = None,
-) -> Tensor:
-    """F.linear(p(x), weight, bias) (+ residual), p: x itself, rms_norm(x, *norm) with `norm`,
-    or swiglu(x) with `swiglu_input`. An x of one row (a batch-1 decode step) takes memfit's
-    Triton matrix-vector kernel (memfit.ops.gemv), p and the residual add fused into it, where
-    Triton runs, the dtypes agree and no gradient is needed; the ops one after the other
-    otherwise."""
-    width = weight.shape[1] * (2 if swiglu_input else 1)
-    extras = (x, weight, bias, residual, norm[0] if norm is not None else None)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias); an x of one row (a batch-1 decode step) takes memfit's Triton
+    matrix-vector product (memfit.ops.gemv) where Triton runs, the dtypes agree and no gradient
+    is needed."""
     if (
-        x.numel() == x.shape[-1] == width
+        x.numel() == x.shape[-1] == weight.shape[1]
         and x.dtype == weight.dtype
-        and all(t is None or t.dtype == x.dtype for t in (bias, residual))
+        and (bias is None or bias.dtype == x.dtype)
         and weight.stride(1) == 1
-        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in extras))
+        and not (
+            torch.is_grad_enabled()
+            and any(t.requires_grad for t in (x, weight, bias) if t is not None)
+        )
         and use_triton(x)
     ):
-        return gemv(x, weight, bias, norm=norm, swiglu=swiglu_input, residual=residual)
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    if swiglu_input:
-        x = swiglu(x)
-    y = F.linear(x, weight, bias)
-    return y if residual is None else residual + y
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metadata=None) -> Tensor:

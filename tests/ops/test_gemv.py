@@ -13,10 +13,10 @@ import memfit.functional as MF
 import memfit.ops.gemv as gemv_module
 from memfit.ops._triton import interpreter_enabled, triton_on_cpu
 from memfit.ops.gemv import gemv
-from tests.reference import assert_error_within, rms_norm_reference, swiglu_reference
+from tests.reference import assert_error_within
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(37, 50), (301, 130), (5, 256), (129, 96)]
+SHAPES = [(37, 50), (1000, 130), (5, 256), (129, 96)]
 if DEVICE == "cuda":
     SHAPES += [(3072, 2048), (2048, 8192), (128256, 2048), (14337, 4095)]
 
@@ -43,44 +43,9 @@ def test_matches_fp64_within_twice_torch_error(n, k, bias, dtype):
     assert_error_within(got, F.linear(x, weight, b), exact, name="gemv")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fused", ["norm", "swiglu", "residual", "norm+residual"])
-# at least dozens of outputs: a fused residual rounds twice, as the unfused ops do, and over a
-# handful of outputs the baseline's largest error is luck
-@pytest.mark.parametrize(("n", "k"), [(37, 50), (301, 130), (67, 256)] + SHAPES[4:])
-def test_fused_prologues_and_residual(n, k, fused, dtype):
-    """rms_norm or SwiGLU before the product and the residual add after it, fused: within 2x
-    the error of torch's ops one after the other (memfit's rms_norm and swiglu on their plain
-    path, F.linear, the add) against the same in fp64."""
-    generator = torch.Generator().manual_seed(n + k)
-    width = 2 * k if "swiglu" in fused else k
-    x = (torch.randn(1, width, generator=generator) * 2).to(DEVICE, dtype)
-    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(DEVICE, dtype)
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=generator)).to(DEVICE)
-    residual = torch.randn(1, n, generator=generator).to(DEVICE, dtype)
-    norm = (norm_weight, 1e-5) if "norm" in fused else None
-    res = residual if "residual" in fused else None
-
-    def composed(x, weight, residual, norm_weight, exact):
-        if norm is not None:
-            x = (rms_norm_reference if exact else MF.rms_norm)(x, norm_weight, 1e-5)
-        if "swiglu" in fused:
-            x = swiglu_reference(x) if exact else MF.swiglu(x)
-        y = F.linear(x, weight)
-        return y if res is None else residual + y
-
-    got = gemv(x, weight, norm=norm, swiglu="swiglu" in fused, residual=res)
-    wide = (t.double() for t in (x, weight, residual, norm_weight))
-    exact = composed(*wide, exact=True)
-    baseline = composed(x, weight, residual, norm_weight, exact=False)
-    assert_error_within(got, baseline, exact, name=f"gemv {fused}")
-    via_linear = MF.linear(x, weight, norm=norm, swiglu_input="swiglu" in fused, residual=res)
-    torch.testing.assert_close(via_linear, got, rtol=0, atol=0)
-
-
 def test_linear_takes_the_kernel_for_one_row_without_gradient(monkeypatch):
     calls = []
-    monkeypatch.setattr(MF, "gemv", lambda *a, **k: calls.append(1) or gemv(*a, **k))
+    monkeypatch.setattr(MF, "gemv", lambda *a: calls.append(1) or gemv(*a))
     weight = torch.randn(24, 40, device=DEVICE)
     with torch.no_grad():
         MF.linear(torch.randn(1, 1, 40, device=DEVICE), weight)

@@ -115,19 +115,8 @@ class Attention(nn.Module):
         """x: (batch, seqlen, hidden); cos, sin: (seqlen, head_dim / 2) at the tokens' positions
         (computed once per forward by the model); kv_cache: a cache with
         `update(layer, metadata, k, v) -> (keys, values)` (memfit.inference: KVCache, PagedKVCache)."""
-        return self.out(self.attend(self.qkv(x), cos, sin, metadata, kv_cache))
-
-    def attend(
-        self,
-        qkv: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        metadata: AttentionMetadata | None = None,
-        kv_cache=None,
-    ) -> Tensor:
-        """The layer between its two projections: qkv (batch, seqlen, (nh + 2 * nkv) * hs) in,
-        the attention output (batch, seqlen, nh * hs) out, before `out`."""
-        batch, seqlen, _ = qkv.shape
+        batch, seqlen, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, (nh + 2 * nkv) * hs)
         if metadata is not None and metadata.block_table is not None:
             # a paged cache: rotation and cache write in one kernel, then the paged kernels
             q, keys, values = kv_cache.write_qkv(
@@ -137,7 +126,7 @@ class Attention(nn.Module):
                 q, keys, values, causal=True, window=self.window, backend=self.backend,
                 metadata=metadata,
             )  # fmt: skip
-            return y.reshape(batch, seqlen, self.num_heads * self.head_dim)
+            return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(batch, seqlen, self.num_heads, self.head_dim)  # (B, T, nh, hs)
@@ -155,4 +144,4 @@ class Attention(nn.Module):
             q, k, v, causal=True, window=self.window, backend=self.backend,
             mask=read.key_mask if read is not None else None, metadata=read,
         )  # fmt: skip
-        return y.reshape(batch, seqlen, self.num_heads * self.head_dim)
+        return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))

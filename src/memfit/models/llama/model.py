@@ -47,30 +47,10 @@ class Block(nn.Module):
     def forward(self, x: Tensor, *attention_inputs) -> Tensor:
         """x: (batch, seqlen, hidden); attention_inputs: what `Attention.forward` takes after
         its input (cos, sin, metadata, kv_cache)."""
-        if x.shape[:-1].numel() == 1 and not torch.is_grad_enabled() and self._plain:
-            return self._one_row(x, *attention_inputs)
         branch = self.attention(self.attention_norm(x), *attention_inputs)
         # x + branch and its norm: one kernel when no gradient is needed (a decode step)
         normed, x = MF.add_rms_norm(x, branch, self.mlp_norm.weight, self.mlp_norm.eps)
         return x + self.mlp(normed)
-
-    @property
-    def _plain(self) -> bool:
-        """The projections are memfit's own Linear layers (not wrapped, e.g. by an adapter)."""
-        linears = (self.attention.qkv, self.attention.out, self.mlp.gate_up, self.mlp.down)
-        return all(type(m) is Linear for m in linears)
-
-    def _one_row(self, x: Tensor, *attention_inputs) -> Tensor:
-        """A batch-1 decode step: the norms, SwiGLU and residual adds fused into the four
-        matrix-vector products (memfit.ops.gemv), the same values as `forward`'s ops."""
-        attention, mlp = self.attention, self.mlp
-        norm = (self.attention_norm.weight, self.attention_norm.eps)
-        qkv = MF.linear(x, attention.qkv.weight, attention.qkv.bias, norm=norm)
-        y = attention.attend(qkv, *attention_inputs)
-        x = MF.linear(y, attention.out.weight, residual=x)
-        norm = (self.mlp_norm.weight, self.mlp_norm.eps)
-        gate_up = MF.linear(x, mlp.gate_up.weight, norm=norm)
-        return MF.linear(gate_up, mlp.down.weight, swiglu_input=True, residual=x)
 
 
 class Llama(nn.Module):
@@ -148,10 +128,9 @@ class Llama(nn.Module):
             x = x[:, -1:]
         elif logits_at is not None:
             x = x[:, logits_at]
-        if targets is None:  # the final norm too is fused into a one-row product
-            norm = (self.norm.weight, self.norm.eps)
-            return MF.linear(x, self.output_weight.to(x.dtype), norm=norm)  # (B, T, vocab)
         x = self.norm(x)
+        if targets is None:
+            return MF.linear(x, self.output_weight.to(x.dtype))  # (B, T, vocab)
         return MF.linear_cross_entropy(
             x.reshape(batch * seqlen, -1), self.output_weight, targets.reshape(-1)
         )
