@@ -153,7 +153,8 @@ def test_pipelined_greedy_decoding_matches_full_recompute(model, num_blocks):
     engine = Engine(model, cache, max_step_tokens=64, max_running=4)
     engine.graphs = DecodeGraphs(model, cache, max_batch=4, max_seq_len=engine.max_context)
     pipelined = []
-    engine._decode_pipelined = lambda run=engine._decode_pipelined: pipelined.append(1) or run()
+    run = engine._decode_pipelined
+    engine._decode_pipelined = lambda steps: pipelined.append(1) or run(steps)
     for i, (prompt, n) in enumerate(zip(batch, lengths, strict=True)):
         engine.add(prompt, SamplingParams(max_tokens=n, stop_token_ids=[stop] if i == 1 else []))
     outputs = engine.run()
@@ -189,7 +190,7 @@ def test_pipelined_sampling_draws_what_the_plain_steps_draw(model):
         for prompt, p in zip(batch, params, strict=True):
             engine.add(prompt, p)
         engine.run()
-        results.append([(r.output, r.logprobs) for r in engine.requests])
+        results.append([(r.output, r.logprobs) for r in engine.requests.values()])
     for (plain_tokens, plain_logprobs), (tokens, logprobs) in zip(*results, strict=True):
         assert tokens == plain_tokens
         if plain_logprobs is not None:

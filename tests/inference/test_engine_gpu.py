@@ -76,6 +76,6 @@ def test_pipelined_sampling_equals_unpipelined_steps(monkeypatch):
             engine.add(prompt, p)
         outputs = engine.run()
         assert [len(o) for o in outputs] == [20, 14, 17]
-        results.append([(r.output, r.logprobs) for r in engine.requests])
+        results.append([(r.output, r.logprobs) for r in engine.requests.values()])
     assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
     torch.testing.assert_close(results[0][0][1], results[1][0][1])

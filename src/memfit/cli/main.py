@@ -138,6 +138,37 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_generate)
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="/v1/completions and /v1/chat/completions (streaming or not), /v1/models, "
+        "/health and /metrics, over the paged engine with continuous batching.",
+    )
+    p.add_argument(
+        "model",
+        help="a memfit run or checkpoint directory, a Hugging Face checkpoint directory, or a "
+        "preset name (random weights)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model id clients ask for (default: MODEL)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: model's)")
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.9,
+        help="on CUDA: the share of GPU memory for the weights, activations and the KV pool",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--max-running", type=int, default=256, help="sequences decoded together")
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="queued requests before new ones get 429"
+    )
+    p.add_argument("--device", default="auto")
+    p.set_defaults(handler=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -149,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _profile_parser(sub)
     _generate_parser(sub)
+    _serve_parser(sub)
     from memfit.cli.plan import add_plan_parser
 
     add_plan_parser(sub, _cmd_plan)
@@ -219,6 +251,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from memfit.cli.generate import run_generate
 
     return run_generate(args, console)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from memfit.cli.serve import run_serve
+
+    return run_serve(args, console)
 
 
 def main(argv: list[str] | None = None) -> int:

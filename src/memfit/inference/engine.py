@@ -89,7 +89,12 @@ class Engine:
             )
         self.model, self.cache = model, cache
         self.max_step_tokens, self.max_running = max_step_tokens, max_running
-        self.requests: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        """Every request added and not forgotten, by id (the order they came in)."""
+        self._next_id = 0
+        self.pipeline_steps = 32
+        """The most decode steps one `step()` may pipeline (a server streaming tokens as they
+        come sets fewer)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps = self.preemptions = 0
@@ -117,8 +122,9 @@ class Engine:
         """Queue a request; returns its id. A prompt that could never fit says so now."""
         params = params or SamplingParams()
         self.check(prompt, params)
-        request = Request(id=len(self.requests), prompt=list(prompt), params=params)
-        self.requests.append(request)
+        request = Request(id=self._next_id, prompt=list(prompt), params=params)
+        self._next_id += 1
+        self.requests[request.id] = request
         self.waiting.append(request)
         return request.id
 
@@ -204,7 +210,7 @@ class Engine:
         """One scheduled forward and the sampling of the sequences whose prompt is done (or,
         when every running sequence decodes greedily, several pipelined ones)."""
         if self._can_pipeline():
-            self._decode_pipelined()
+            self._decode_pipelined(self.pipeline_steps)
             return
         batch = self._schedule()
         if not batch:
@@ -361,6 +367,7 @@ class Engine:
         if self.waiting or self.running:
             raise RuntimeError("reset_counters needs an idle engine")
         self.requests.clear()
+        self._next_id = 0
         self.steps = self.preemptions = self.decode_steps = self.peak_blocks = 0
         self.decode_seconds = 0.0
         self.waste_samples.clear()
@@ -369,7 +376,27 @@ class Engine:
         """Step until every request has finished; each request's new tokens, by id."""
         while self.waiting or self.running:
             self.step()
-        return [r.output for r in self.requests]
+        return [r.output for r in self.requests.values()]
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request wherever it is (a client went away): its blocks are freed at once and
+        it finishes with finish_reason "abort". A finished or unknown id: nothing happens."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        self.cache.free(request.id)
+        self.sampler.release(request.id)
+        request.finished, request.finish_reason = True, "abort"
+
+    def forget(self, request_id: int) -> None:
+        """Drop a finished request (a server, once it has answered: requests do not pile up)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.finished:
+            del self.requests[request_id]
 
 
 def _plain_greedy(params: SamplingParams) -> bool:

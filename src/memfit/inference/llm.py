@@ -172,7 +172,7 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------------
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -207,7 +207,7 @@ class LLM:
             raise ValueError(f"{len(batch)} prompts but {len(params)} SamplingParams")
         eos = self.info.generation.eos_token_ids if self.info is not None else ()
         engine = self.engine
-        ids = [self._encode(p) for p in batch]
+        ids = [self.encode(p) for p in batch]
         params = [p if p.ignore_eos or not eos else p.with_stop_tokens(eos) for p in params]
         for prompt, p in zip(ids, params, strict=True):  # every request, before any joins
             engine.check(prompt, p)
@@ -226,7 +226,7 @@ class LLM:
             request = engine.requests[request_id]
             text = request.text  # cut at a stop string
             if text is None and self.tokenizer is not None:
-                text = self._continuation(request.prompt, request.output)
+                text = self.continuation(request.prompt, request.output)
             outputs.append(
                 RequestOutput(
                     request_id=request_id,
@@ -251,7 +251,7 @@ class LLM:
         }  # fmt: skip
         return outputs
 
-    def _continuation(self, prompt: list[int], output: list[int]) -> str:
+    def continuation(self, prompt: list[int], output: list[int]) -> str:
         """The output's text as it continues the prompt: decoded after the prompt's last tokens
         and cut after their text, so a leading space or a character split across the boundary
         comes out as the stop-string checker (memfit.inference.sampling) makes it."""

@@ -1,0 +1,7 @@
+"""`memfit serve`: an OpenAI-compatible HTTP server over the inference engine (FastAPI and
+uvicorn; `pip install memfit[serve]`)."""
+
+from memfit.inference.server.app import build_app
+from memfit.inference.server.async_engine import AsyncEngine, QueueFull, Update
+
+__all__ = ["AsyncEngine", "QueueFull", "Update", "build_app"]

@@ -1,0 +1,244 @@
+"""The engine behind the HTTP server: one thread steps the (single-threaded) `Engine` while
+requests arrive and leave from the server's event loop.
+
+    engine = AsyncEngine(llm, max_waiting=256)
+    engine.start()
+    async for update in engine.generate(prompt_ids, params):   # in a request handler
+        ...                                                     # new tokens, then the finish
+
+The event loop never touches the engine: it posts ("add", ...) and ("abort", ...) to an inbox
+that the engine thread drains between steps, and the engine thread hands each request's new
+tokens back with `loop.call_soon_threadsafe`. A handler that stops listening (its client went
+away) aborts its request, which frees its blocks at the next step boundary. At most
+`max_waiting` requests may wait for a slot; past that `generate` raises QueueFull (the server
+answers 429) instead of letting the queue grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from memfit.inference.llm import LLM
+from memfit.inference.sampling_params import SamplingParams
+
+log = logging.getLogger("memfit.serve")
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than the server takes (HTTP 429)."""
+
+
+@dataclass
+class Update:
+    """A request's tokens since the last update; the last update has `finished` set, with the
+    finish reason and, where a stop string cut the output, the output's text."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool = False
+    finish_reason: str = ""
+    text: str | None = None
+
+
+class _Sink:
+    """Where the engine thread puts one request's updates: an asyncio queue of its loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.request_id: int | None = None
+        self.sent = 0
+        self.added = time.perf_counter()
+        self.last_token: float | None = None
+
+    def put(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of their own (one per server)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("memfit_requests_running", "Requests being decoded", registry=r)
+        self.waiting = Gauge("memfit_requests_waiting", "Requests waiting for a slot", registry=r)
+        self.kv_used = Gauge("memfit_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("memfit_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.tokens = Counter("memfit_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("memfit_prompt_tokens", "Prompt tokens taken", registry=r)
+        self.finished = Counter(
+            "memfit_requests_finished", "Requests finished", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "memfit_time_to_first_token_seconds", "From arrival to the first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "memfit_inter_token_latency_seconds", "Between two tokens of a request",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28), registry=r,
+        )  # fmt: skip
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        max_waiting: int = 256,
+        stream_steps: int = 8,
+        log_interval: float = 10.0,
+    ) -> None:
+        """llm: the loaded model, cache and engine. max_waiting: requests that may wait for a
+        slot before new ones are refused. stream_steps: the most decode steps pipelined between
+        two deliveries of tokens (fewer: smoother streams; more: less host work per token)."""
+        self.llm, self.engine = llm, llm.engine
+        self.engine.pipeline_steps = stream_steps
+        self.max_waiting = max_waiting
+        self.log_interval = log_interval
+        self.metrics = Metrics()
+        self.metrics.kv_total.set(self.engine.cache.pool.num_blocks)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[int, _Sink] = {}
+        self._pending = 0  # added to the inbox, not yet running (the event loop's count)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="memfit-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # -- the event loop's side --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """ValueError for a request the engine could never run; QueueFull when too many wait."""
+        self.engine.check(prompt, params)  # reads only what never changes
+        with self._lock:
+            if self._pending + len(self.engine.waiting) >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are already waiting")
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Update]:
+        """The request's updates as the engine makes them; checked first (see `check`). Leaving
+        the loop early (a client that went away) aborts the request."""
+        self.check(prompt, params)
+        sink = _Sink(asyncio.get_running_loop())
+        with self._lock:
+            self._pending += 1
+        self.metrics.prompt_tokens.inc(len(prompt))
+        self._inbox.put(("add", prompt, params, sink))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                update = await sink.queue.get()
+                if isinstance(update, BaseException):
+                    raise RuntimeError("the engine stopped") from update
+                finished = update.finished
+                yield update
+        finally:
+            if not finished:
+                self._inbox.put(("abort", sink))
+                self._wake.set()
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine, last_log, logged_tokens = self.engine, time.perf_counter(), 0
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not (engine.waiting or engine.running):
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                engine.step()
+                self._deliver()
+                now = time.perf_counter()
+                if now - last_log >= self.log_interval:
+                    tokens = int(self.metrics.tokens._value.get())
+                    log.info(
+                        "running %d, waiting %d, %.0f tokens/s, KV blocks %d of %d",
+                        len(engine.running), len(engine.waiting),
+                        (tokens - logged_tokens) / (now - last_log),
+                        engine.cache.pool.num_blocks - engine.cache.pool.num_free,
+                        engine.cache.pool.num_blocks,
+                    )  # fmt: skip
+                    last_log, logged_tokens = now, tokens
+        except BaseException as error:  # every waiting handler hears of it; /health says so
+            self.error = error
+            log.exception("the engine stopped")
+            for sink in self._sinks.values():
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, error)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                _, prompt, params, sink = message
+                sink.request_id = self.engine.add(prompt, params)
+                self._sinks[sink.request_id] = sink
+                with self._lock:
+                    self._pending -= 1
+            else:
+                sink = message[1]
+                if sink.request_id is not None and sink.request_id in self._sinks:
+                    self.engine.abort(sink.request_id)
+                    self._finish(sink)
+
+    def _deliver(self) -> None:
+        """Each request's tokens since the last delivery; the finished ones leave the engine."""
+        now = time.perf_counter()
+        for sink in list(self._sinks.values()):
+            request = self.engine.requests[sink.request_id]
+            new = request.output[sink.sent :]
+            if new:
+                if sink.last_token is None:
+                    self.metrics.ttft.observe(now - sink.added)
+                else:  # a burst of pipelined tokens: their mean spacing
+                    gap = (now - sink.last_token) / len(new)
+                    for _ in new:
+                        self.metrics.itl.observe(gap)
+                sink.last_token = now
+                self.metrics.tokens.inc(len(new))
+            logprobs = request.logprobs[sink.sent :] if request.logprobs is not None else None
+            sink.sent = len(request.output)
+            if request.finished:
+                sink.put(Update(new, logprobs, True, request.finish_reason, request.text))
+                self._finish(sink)
+            elif new:
+                sink.put(Update(new, logprobs))
+        self._update_gauges()
+
+    def _finish(self, sink: _Sink) -> None:
+        request = self.engine.requests[sink.request_id]
+        self.metrics.finished.labels(request.finish_reason).inc()
+        del self._sinks[sink.request_id]
+        self.engine.forget(sink.request_id)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        engine, metrics = self.engine, self.metrics
+        metrics.running.set(len(engine.running))
+        metrics.waiting.set(len(engine.waiting))
+        metrics.kv_used.set(engine.cache.pool.num_blocks - engine.cache.pool.num_free)

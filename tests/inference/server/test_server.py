@@ -1,0 +1,218 @@
+"""`memfit serve` over real HTTP on localhost (uvicorn in a thread), a tiny checkpoint saved by
+transformers with a tokenizer and a chat template: httpx and the `openai` client as users call
+it. Streamed and non-streamed outputs equal the offline engine's; concurrent streams all
+finish; a client that disconnects frees its blocks; bad requests get OpenAI-style 400s and the
+server keeps serving; a full queue answers 429."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from memfit.inference import LLM, SamplingParams
+from memfit.inference.server import AsyncEngine, build_app
+from tests.inference.test_llm import _write_tokenizer
+from tests.models.test_loading import _save_transformers_model
+
+CHAT = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant{% endif %}"  # noqa: E501
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    _save_transformers_model(path, "llama")
+    _write_tokenizer(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT}))
+    return path
+
+
+class Server:
+    def __init__(self, llm, **engine_options):
+        self.engine = AsyncEngine(llm, **engine_options)
+        self.engine.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(
+            build_app(self.engine, model_name="tiny"), port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.stop()
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(f"{name} not in {httpx.get(f'{self.url}/metrics').text}")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint, device="cpu", dtype="fp32", block_size=4)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    server = Server(llm)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The offline API on its own LLM (an engine is stepped by one thread only)."""
+    return LLM(checkpoint, device="cpu", dtype="fp32", block_size=4)
+
+
+def offline(llm, prompt_ids, params):
+    return llm.generate([prompt_ids], params, progress=False)[0]
+
+
+def test_health_models_and_metrics(server):
+    assert httpx.get(f"{server.url}/health").text == "ok"
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+    assert server.metric("memfit_kv_blocks_total") > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_the_offline_engine(server, reference, stream):
+    body = {"model": "tiny", "prompt": "w5 w9 w12", "max_tokens": 8, "temperature": 0.9,
+            "seed": 3, "n": 2, "return_token_ids": True, "logprobs": 1, "ignore_eos": True}  # fmt: skip
+    prompt_ids = reference.encode("w5 w9 w12")
+    expected = [
+        offline(reference, prompt_ids, SamplingParams(max_tokens=8, temperature=0.9, seed=3 + i,
+                                                logprobs=True, ignore_eos=True))
+        for i in range(2)
+    ]  # fmt: skip
+    if not stream:
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        choices = sorted(response["choices"], key=lambda c: c["index"])
+        assert response["usage"]["completion_tokens"] == 16
+    else:
+        choices = [{"text": "", "token_ids": [], "logprobs": []} for _ in range(2)]
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as response:  # fmt: skip
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        for event in map(json.loads, events[:-1]):
+            (choice,) = event["choices"]
+            got = choices[choice["index"]]
+            got["text"] += choice["text"]
+            got["token_ids"] += choice["token_ids"]
+            if choice["logprobs"]:
+                got["logprobs"] += choice["logprobs"]["token_logprobs"]
+            got["finish_reason"] = choice["finish_reason"]
+    for got, want in zip(choices, expected, strict=True):
+        assert got["token_ids"] == want.token_ids
+        assert got["text"] == want.text and got["finish_reason"] == "length"
+        logprobs = got["logprobs"] if stream else got["logprobs"]["token_logprobs"]
+        assert logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_chat_with_the_openai_client(server, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    messages = [{"role": "user", "content": "w7 w8"}]
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0
+    )
+    prompt = reference.tokenizer.encode("user w7 w8 assistant")
+    want = offline(reference, prompt, SamplingParams(max_tokens=6))
+    assert reply.choices[0].message.content == want.text
+    chunks = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == want.text
+
+
+def test_concurrent_streams_all_finish(server):
+    async def one(client, i):
+        body = {"model": "tiny", "prompt": [5 + i, 9, 11], "max_tokens": 5 + i % 7,
+                "temperature": 0.8, "seed": i, "stream": True, "return_token_ids": True,
+                "ignore_eos": True}  # fmt: skip
+        tokens = []
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+        return len(tokens) == 5 + i % 7
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert all(asyncio.run(main()))
+    assert server.metric("memfit_kv_blocks_used") == 0
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server, llm):
+    longest = llm.engine.max_context - 3
+    aborted = 'memfit_requests_finished_total{finish_reason="abort"}'
+    aborts = server.metric(aborted) if "abort" in httpx.get(f"{server.url}/metrics").text else 0
+    generated = server.metric("memfit_generated_tokens_total")
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": longest, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then gone
+    deadline = time.time() + 30
+    while server.metric("memfit_kv_blocks_used") > 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.metric("memfit_kv_blocks_used") == 0
+    assert server.metric(aborted) == aborts + 1
+    assert server.metric("memfit_generated_tokens_total") - generated < longest
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("{not json", "JSON"),
+        ({"model": "other", "prompt": "w5"}, "is not served here"),
+        ({"model": "tiny", "prompt": "w5", "max_tokens": -1}, "max_tokens"),
+        ({"model": "tiny", "prompt": [5] * 600, "max_tokens": 4}, "exceeds"),
+        ({"model": "tiny", "prompt": "w5", "temperature": "hot"}, "temperature"),
+        ({"model": "tiny", "prompt": [99999]}, "not a token id"),
+    ],
+)
+def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, body, message):
+    if isinstance(body, str):
+        response = httpx.post(f"{server.url}/v1/completions", content=body,
+                              headers={"content-type": "application/json"})  # fmt: skip
+    else:
+        response = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    ok = httpx.post(
+        f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2}
+    )
+    assert ok.status_code == 200
+
+
+def test_a_full_queue_answers_429(llm):
+    server = Server(llm, max_waiting=0)
+    try:
+        response = httpx.post(f"{server.url}/v1/completions",
+                              json={"model": "tiny", "prompt": "w5", "max_tokens": 2})  # fmt: skip
+        assert response.status_code == 429
+        assert response.json()["error"]["type"] == "rate_limit_exceeded"
+    finally:
+        server.close()
