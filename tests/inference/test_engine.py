@@ -196,3 +196,47 @@ def test_pipelined_sampling_draws_what_the_plain_steps_draw(model):
         if plain_logprobs is not None:
             # the same tokens; the logits differ in the last bits (a padded step vs paged_step)
             torch.testing.assert_close(logprobs, plain_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_block_pool_keeps_cached_blocks_until_needed_least_recent_first():
+    from memfit.inference.paged_cache import BlockPool
+
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.register(a, key=10)
+    pool.register(b, key=11)
+    pool.register(c, key=10)  # a key already held keeps its block
+    pool.release(b)
+    pool.release(a)  # both cached and evictable, b the least recent
+    assert pool.num_free == 2
+    assert pool.take_cached(10) == a and pool.num_free == 1  # revived, in use again
+    assert pool.allocate() == b  # evicted: its key is gone
+    assert pool.take_cached(11) is None
+    pool.release(c)  # not registered: plainly free
+    assert pool.free[-1] == c
+
+
+@pytest.mark.parametrize("num_blocks", [64, 12])
+def test_prefix_caching_computes_only_the_suffix(model, num_blocks):
+    """A second request behind a cached 13-token prefix computes only what follows its 12
+    cached tokens (3 blocks of 4), and both give full recompute's tokens; with 12 blocks the
+    cached blocks are evicted under pressure and preemption resumes on them."""
+    prefix = prompts((13,), seed=5)[0]
+    first, second = prefix + [7, 8], prefix + [9]
+    cache = PagedKVCache(
+        model.config, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=64, prefix_caching=True)
+    engine.add(first, SamplingParams(max_tokens=6))
+    assert engine.run() == [full_recompute(model, first, 6)]
+    assert cache.prefix_hits == 0
+    engine.add(second, SamplingParams(max_tokens=6))
+    others = prompts((9, 6, 11), seed=6)
+    for prompt in others:  # beside it, unrelated requests (with 12 blocks: eviction, preemption)
+        engine.add(prompt, SamplingParams(max_tokens=5))
+    outputs = engine.run()
+    assert outputs[1] == full_recompute(model, second, 6)
+    assert outputs[2:] == [full_recompute(model, p, 5) for p in others]
+    assert cache.prefix_hits >= 12
+    assert (engine.preemptions > 0) == (num_blocks == 12)
+    assert cache.pool.num_free == num_blocks and not cache.tables

@@ -165,6 +165,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests before new ones get 429"
     )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full (default: reuse the KV blocks of cached prefixes)",
+    )
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=_cmd_serve)
 

@@ -26,7 +26,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     llm = LLM(
         args.model, device=device, memory_fraction=args.gpu_memory_fraction,
         block_size=args.block_size, max_seq_len=args.max_model_len,
-        max_running=args.max_running,
+        max_running=args.max_running, prefix_caching=not args.no_prefix_caching,
     )  # fmt: skip
     name = args.served_model_name or str(args.model)
     cache = llm.cache

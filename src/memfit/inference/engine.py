@@ -82,12 +82,14 @@ class Engine:
         cuda_graphs: bool = False,
         decode: Callable[[list[int]], str] | None = None,
         seed: int | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError(
                 f"max_step_tokens and max_running must be >= 1, got {max_step_tokens}, {max_running}"
             )
         self.model, self.cache = model, cache
+        cache.prefix_caching = prefix_caching
         self.max_step_tokens, self.max_running = max_step_tokens, max_running
         self.requests: dict[int, Request] = {}
         """Every request added and not forgotten, by id (the order they came in)."""
@@ -194,8 +196,16 @@ class Engine:
             index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
+            matched = self.cache.prefix_caching and request.id not in self.cache.tables
+            if matched:  # start on the cached blocks of its prefix: only the rest is computed
+                tokens = request.prompt + request.output
+                request.computed = self.cache.match_prefix(request.id, tokens)
             chunk = request.pending(budget)
-            if not fits(request, len(chunk)):
+            # (the cached blocks it took may have been counted free for what was promised)
+            if self.cache.pool.num_free < promised or not fits(request, len(chunk)):
+                if matched:  # a waiting request holds no blocks
+                    self.cache.free(request.id)
+                    request.computed = 0
                 break  # wait for blocks to be freed
             self.waiting.popleft()
             self.running.append(request)
@@ -243,6 +253,7 @@ class Engine:
         self.waste_samples.append(self.cache.waste())
         for request, tokens in batch:
             request.computed += len(tokens)
+        self._register_blocks([request for request, _ in batch])
         if sampling:
             rows = [row for row, _ in sampling]
             if len(rows) < len(batch):
@@ -328,6 +339,7 @@ class Engine:
         for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
             if not request.finished:
                 self._accept(request, token, logprobs[row] if logprobs is not None else None)
+        self._register_blocks([r for r in requests if not r.finished])
         self.steps += 1
         self.decode_steps += 1
         self.peak_blocks = max(
@@ -337,6 +349,15 @@ class Engine:
         end = time.perf_counter()
         self.decode_seconds += end - start
         return end
+
+    def _register_blocks(self, requests: list[Request]) -> None:
+        """With prefix caching: the blocks the step filled, registered under their tokens."""
+        cache = self.cache
+        if not cache.prefix_caching:
+            return
+        for request in requests:
+            if not request.finished and cache.unregistered(request.id, request.computed):
+                cache.register(request.id, (request.prompt + request.output)[: request.computed])
 
     def _accept(self, request: Request, token: int, logprob: float | None) -> None:
         """A sampled token: appended, or the end of the request (a stop token, a stop string,

@@ -88,13 +88,16 @@ class LLM:
         max_running: int = 256,
         cuda_graphs: bool | None = None,
         seed: int = 0,
+        prefix_caching: bool = False,
     ) -> None:
         """model: a Hugging Face checkpoint directory, a memfit checkpoint, or a preset name.
         dtype: bf16, fp16 or fp32 (default bf16 on CUDA, fp32 on a CPU). memory_fraction: of the
         GPU's memory, for weights, activations and the KV pool together (vLLM's
         gpu_memory_utilization); kv_cache_bytes instead sets the pool directly (on a CPU:
         CPU_KV_BYTES by default). max_seq_len: the longest prompt + output a request may reach
-        (default: the model's context). cuda_graphs: capture decode steps (default: on CUDA)."""
+        (default: the model's context). cuda_graphs: capture decode steps (default: on CUDA).
+        prefix_caching: requests reuse the KV blocks of a prefix computed before (a shared
+        system prompt is computed once; `memfit serve` turns it on)."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -123,7 +126,7 @@ class LLM:
         )
         self.engine = Engine(
             self.model, self.cache, max_step_tokens=max_step_tokens, max_running=max_running,
-            max_seq_len=max_seq_len, cuda_graphs=graphs, seed=seed,
+            max_seq_len=max_seq_len, cuda_graphs=graphs, seed=seed, prefix_caching=prefix_caching,
             decode=self.tokenizer.decode if self.tokenizer is not None else None,
         )  # fmt: skip
         self.last_stats: dict = {}

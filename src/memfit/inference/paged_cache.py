@@ -10,6 +10,14 @@ heads_kv heads only; the last block is scratch space for the padding rows of cap
 reference counts: a block shared by several sequences (a common prompt prefix) returns to the
 free list when the last one lets it go; `fork` shares a sequence's blocks with a new one.
 
+Prefix caching (`prefix_caching`, vLLM's automatic prefix caching): a full block is registered
+under a hash of its tokens and of its parent block's hash, so the key names the whole prefix up
+to it. A new sequence takes the cached blocks of its longest cached prefix of whole blocks
+(`match_prefix`, leaving at least its last token to compute) and computes only the rest; it
+never writes into them (its next token goes to a new block), so no copy-on-write is needed. A
+cached block nobody uses stays with its contents until a block is needed, least recently
+released first.
+
 Bookkeeping (tables, lengths, the free list) is on the host, where the scheduler runs; a step's
 `AttentionMetadata` (positions, slot mapping, block table, each token's sequence) is built once
 and copied to the device in one go, and every layer reads it.
@@ -18,7 +26,7 @@ and copied to the device in one go, and every layer reads it.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +44,11 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    """The free list and reference counts of `num_blocks` blocks."""
+    """The free list and reference counts of `num_blocks` blocks, and the prefix cache's index:
+    a full block registered under the hash of its tokens (and of all before it) can be taken
+    again by a sequence with the same prefix. A registered block whose last user lets it go is
+    kept, with its contents, among the evictable ones (least recently released first) until a
+    new block is needed; evictable blocks count as free."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -44,15 +56,22 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.refs = [0] * num_blocks
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.hash_of: dict[int, int] = {}
+        self.block_of: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.evictable)
 
     def allocate(self) -> int:
-        if not self.free:
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:  # the least recently used cached block gives up its contents
+            block, _ = self.evictable.popitem(last=False)
+            del self.block_of[self.hash_of.pop(block)]
+        else:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        block = self.free.popleft()
         self.refs[block] = 1
         return block
 
@@ -66,7 +85,27 @@ class BlockPool:
             raise ValueError(f"block {block} is already free")
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            self.free.append(block)
+            if block in self.hash_of:
+                self.evictable[block] = None
+            else:
+                self.free.append(block)
+
+    def register(self, block: int, key: int) -> None:
+        """`block` (in use, full) holds the tokens hashed to `key`; a key already held by
+        another block keeps that one."""
+        if key not in self.block_of and block not in self.hash_of:
+            self.block_of[key] = block
+            self.hash_of[block] = key
+
+    def take_cached(self, key: int) -> int | None:
+        """The block registered under `key`, with one more user; None when there is none."""
+        block = self.block_of.get(key)
+        if block is None:
+            return None
+        if self.refs[block] == 0:
+            del self.evictable[block]
+        self.refs[block] += 1
+        return block
 
 
 class PagedKVCache:
@@ -98,6 +137,9 @@ class PagedKVCache:
         self.scratch_block = num_blocks
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.hashes: dict[int, list[int]] = {}  # each sequence's registered full blocks' keys
+        self.prefix_caching = False
+        self.prefix_queried = self.prefix_hits = 0  # prompt tokens looked up, and found
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -167,6 +209,48 @@ class PagedKVCache:
         for block in self.tables.pop(seq_id, []):
             self.pool.release(block)
         self.lengths.pop(seq_id, None)
+        self.hashes.pop(seq_id, None)
+
+    # -- prefix caching -------------------------------------------------------------------------
+
+    def _key(self, parent: int | None, tokens: Sequence[int]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def match_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """Start the new sequence `seq_id` on the cached blocks of its longest cached prefix
+        of whole blocks (at least its last token is left to compute: a step needs one to
+        sample from). Returns how many of `tokens` are cached (a multiple of the block size)."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        size, table, keys = self.block_size, [], []
+        parent = None
+        for start in range(0, (len(tokens) - 1) // size * size, size):
+            key = self._key(parent, tokens[start : start + size])
+            block = self.pool.take_cached(key)
+            if block is None:
+                break
+            table.append(block)
+            keys.append(key)
+            parent = key
+        self.tables[seq_id], self.hashes[seq_id] = table, keys
+        self.lengths[seq_id] = len(table) * size
+        self.prefix_queried += len(tokens)
+        self.prefix_hits += len(table) * size
+        return len(table) * size
+
+    def unregistered(self, seq_id: int, computed: int) -> bool:
+        """Whether `seq_id` has full blocks (of its first `computed` tokens) not registered."""
+        return computed // self.block_size > len(self.hashes.get(seq_id, ()))
+
+    def register(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Register the full blocks of `tokens` (the sequence's tokens in the cache) that are
+        not yet, under the hash of their tokens and of every block before them."""
+        size, table = self.block_size, self.tables[seq_id]
+        keys = self.hashes.setdefault(seq_id, [])
+        for index in range(len(keys), len(tokens) // size):
+            key = self._key(keys[-1] if keys else None, tokens[index * size : (index + 1) * size])
+            self.pool.register(table[index], key)
+            keys.append(key)
 
     def waste(self) -> float:
         """Reserved but empty slots over all reserved slots (0 when nothing is reserved)."""

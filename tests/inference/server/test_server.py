@@ -62,7 +62,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint, device="cpu", dtype="fp32", block_size=4)
+    return LLM(checkpoint, device="cpu", dtype="fp32", block_size=4, prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +216,17 @@ def test_a_full_queue_answers_429(llm):
         assert response.json()["error"]["type"] == "rate_limit_exceeded"
     finally:
         server.close()
+
+
+def test_a_shared_prefix_is_computed_once(server, reference):
+    """Two requests behind one 14-token prefix: the same tokens as each alone, and the second
+    finds the first's 3 full blocks (12 tokens, block size 4) in the prefix cache."""
+    prefix = " ".join(f"w{4 + i}" for i in range(14))
+    hits = server.metric("memfit_prefix_cache_hit_tokens")
+    for suffix in (" w40 w41", " w50"):
+        body = {"model": "tiny", "prompt": prefix + suffix, "max_tokens": 5, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        want = offline(reference, reference.encode(prefix + suffix), SamplingParams(max_tokens=5))
+        assert got["choices"][0]["token_ids"] == want.token_ids
+    assert server.metric("memfit_prefix_cache_hit_tokens") - hits >= 12

@@ -72,6 +72,12 @@ class Metrics:
         self.waiting = Gauge("memfit_requests_waiting", "Requests waiting for a slot", registry=r)
         self.kv_used = Gauge("memfit_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_total = Gauge("memfit_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.prefix_hits = Gauge(
+            "memfit_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.prefix_rate = Gauge(
+            "memfit_prefix_cache_hit_rate", "Of the prompt tokens, those found cached", registry=r
+        )
         self.tokens = Counter("memfit_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("memfit_prompt_tokens", "Prompt tokens taken", registry=r)
         self.finished = Counter(
@@ -241,4 +247,7 @@ class AsyncEngine:
         engine, metrics = self.engine, self.metrics
         metrics.running.set(len(engine.running))
         metrics.waiting.set(len(engine.waiting))
-        metrics.kv_used.set(engine.cache.pool.num_blocks - engine.cache.pool.num_free)
+        cache = engine.cache
+        metrics.kv_used.set(cache.pool.num_blocks - cache.pool.num_free)
+        metrics.prefix_hits.set(cache.prefix_hits)
+        metrics.prefix_rate.set(cache.prefix_hits / max(cache.prefix_queried, 1))
