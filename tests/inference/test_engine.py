@@ -240,3 +240,24 @@ def test_prefix_caching_computes_only_the_suffix(model, num_blocks):
     assert cache.prefix_hits >= 12
     assert (engine.preemptions > 0) == (num_blocks == 12)
     assert cache.pool.num_free == num_blocks and not cache.tables
+
+
+def test_parallel_samples_share_the_prompt_blocks(model):
+    """n = 4 samples of one 15-token prompt (blocks of 4): the followers start on the leader's
+    3 cached full blocks, so the four hold 3 shared blocks and their own few, not 4 x 5; every
+    sample's greedy tokens equal full recompute."""
+    prompt = prompts((15,), seed=7)[0]
+    peaks = []
+    for shared in (False, True):
+        cache = PagedKVCache(
+            model.config, num_blocks=40, block_size=4, dtype=torch.float32, device="cpu"
+        )
+        engine = Engine(model, cache, max_step_tokens=64, prefix_caching=shared)
+        first = engine.add(prompt, SamplingParams(max_tokens=4))
+        for _ in range(3):
+            engine.add(prompt, SamplingParams(max_tokens=4), follows=first)
+        outputs = engine.run()
+        assert outputs == [full_recompute(model, prompt, 4)] * 4
+        peaks.append(engine.peak_blocks)
+    assert peaks[0] == 4 * 5  # 15 + 4 tokens: 5 blocks each
+    assert peaks[1] <= 3 + 4 * 2  # 3 shared, then each its last prompt block and one more

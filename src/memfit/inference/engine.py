@@ -54,6 +54,9 @@ class Request:
     """With stop strings: the output's text, cut before the stop string."""
     stop_checker: StopStringChecker | None = None
     preemptions: int = 0
+    leader: Request | None = None
+    """Another sample of the same prompt (parallel sampling): with prefix caching this one
+    starts after the leader's prompt is computed, on its cached blocks."""
 
     @property
     def num_tokens(self) -> int:
@@ -120,11 +123,16 @@ class Engine:
             )
             self.graphs.capture()
 
-    def add(self, prompt: list[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. A prompt that could never fit says so now."""
+    def add(
+        self, prompt: list[int], params: SamplingParams | None = None, *, follows: int | None = None
+    ) -> int:
+        """Queue a request; returns its id. A prompt that could never fit says so now.
+        `follows`: the id of an earlier request with the same prompt (another sample of it):
+        with prefix caching, this one shares the prompt's blocks with it."""
         params = params or SamplingParams()
         self.check(prompt, params)
         request = Request(id=self._next_id, prompt=list(prompt), params=params)
+        request.leader = self.requests.get(follows) if follows is not None else None
         self._next_id += 1
         self.requests[request.id] = request
         self.waiting.append(request)
@@ -196,6 +204,14 @@ class Engine:
             index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
+            leader = request.leader
+            if (
+                leader is not None
+                and self.cache.prefix_caching
+                and not leader.finished
+                and leader.computed < len(leader.prompt)
+            ):
+                break  # another sample of its prompt computes it first: then it is cached
             matched = self.cache.prefix_caching and request.id not in self.cache.tables
             if matched:  # start on the cached blocks of its prefix: only the rest is computed
                 tokens = request.prompt + request.output

@@ -230,3 +230,17 @@ def test_a_shared_prefix_is_computed_once(server, reference):
         want = offline(reference, reference.encode(prefix + suffix), SamplingParams(max_tokens=5))
         assert got["choices"][0]["token_ids"] == want.token_ids
     assert server.metric("memfit_prefix_cache_hit_tokens") - hits >= 12
+
+
+def test_n_samples_share_the_prompt_blocks(server, reference):
+    """n = 4 of one 14-token prompt: the three followers start on the first's 3 cached full
+    blocks (36 prompt tokens found cached); all four greedy samples equal the offline one."""
+    prompt = " ".join(f"w{30 + i}" for i in range(14))
+    hits = server.metric("memfit_prefix_cache_hit_tokens")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "n": 4,
+            "return_token_ids": True}  # fmt: skip
+    got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    want = offline(reference, reference.encode(prompt), SamplingParams(max_tokens=5))
+    assert [c["token_ids"] for c in got["choices"]] == [want.token_ids] * 4
+    assert got["usage"]["prompt_tokens"] == 14
+    assert server.metric("memfit_prefix_cache_hit_tokens") - hits >= 36

@@ -254,7 +254,10 @@ async def _respond(jobs, n: int, stream: bool, *, chat: bool, model: str, engine
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     texts = [_Text(engine.llm, prompt, params) for prompt, params in jobs]
-    updates = _merged([engine.generate(prompt, params) for prompt, params in jobs])
+    # the n samples of each prompt share its KV blocks
+    updates = _merged(
+        [engine.generate(p, params, group=(ident, i // n)) for i, (p, params) in enumerate(jobs)]
+    )
     if stream:
         events = _stream(updates, texts, ident, created, model, chat, token_ids)
         return StreamingResponse(events, media_type="text/event-stream")

@@ -54,6 +54,7 @@ class _Sink:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.queue = loop, asyncio.Queue()
         self.request_id: int | None = None
+        self.follows: _Sink | None = None  # another sample of the same prompt, added before
         self.sent = 0
         self.added = time.perf_counter()
         self.last_token: float | None = None
@@ -114,6 +115,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[int, _Sink] = {}
+        self._leaders: dict[object, _Sink] = {}  # the first sample of each group (event loop)
         self._pending = 0  # added to the inbox, not yet running (the event loop's count)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -141,11 +143,18 @@ class AsyncEngine:
             if self._pending + len(self.engine.waiting) >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Update]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, *, group: object = None
+    ) -> AsyncIterator[Update]:
         """The request's updates as the engine makes them; checked first (see `check`). Leaving
-        the loop early (a client that went away) aborts the request."""
+        the loop early (a client that went away) aborts the request. `group`: a key shared by
+        the samples of one prompt (a request's `n`): they share the prompt's KV blocks."""
         self.check(prompt, params)
         sink = _Sink(asyncio.get_running_loop())
+        if group is not None:
+            sink.follows = self._leaders.setdefault(group, sink)
+            if sink.follows is sink:
+                sink.follows = None
         with self._lock:
             self._pending += 1
         self.metrics.prompt_tokens.inc(len(prompt))
@@ -160,6 +169,8 @@ class AsyncEngine:
                 finished = update.finished
                 yield update
         finally:
+            if group is not None and self._leaders.get(group) is sink:
+                del self._leaders[group]
             if not finished:
                 self._inbox.put(("abort", sink))
                 self._wake.set()
@@ -202,7 +213,8 @@ class AsyncEngine:
                 return
             if message[0] == "add":
                 _, prompt, params, sink = message
-                sink.request_id = self.engine.add(prompt, params)
+                leader = sink.follows.request_id if sink.follows is not None else None
+                sink.request_id = self.engine.add(prompt, params, follows=leader)
                 self._sinks[sink.request_id] = sink
                 with self._lock:
                     self._pending -= 1
