@@ -261,3 +261,17 @@ def test_parallel_samples_share_the_prompt_blocks(model):
         peaks.append(engine.peak_blocks)
     assert peaks[0] == 4 * 5  # 15 + 4 tokens: 5 blocks each
     assert peaks[1] <= 3 + 4 * 2  # 3 shared, then each its last prompt block and one more
+
+
+def test_a_step_may_flatten_more_tokens_than_the_model_context(model):
+    """Three 400-token prompts in one step: 1,200 tokens in one row, more than twice the tiny
+    model's 512-token context (a bound for one sequence, not for a step of several)."""
+    batch = prompts((400, 400, 400), seed=8)
+    cache = PagedKVCache(
+        model.config, num_blocks=400, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=2048)
+    for prompt in batch:
+        engine.add(prompt, SamplingParams(max_tokens=2))
+    assert engine.run() == [full_recompute(model, p, 2) for p in batch]
+    assert engine.steps == 2  # all three prompts in the first

@@ -105,9 +105,11 @@ class Llama(nn.Module):
             metadata = AttentionMetadata.causal(seqlen, tokens.device, start=start_pos)
             if kv_cache is not None and start_pos > 0:  # a later chunk reads the cache
                 metadata = kv_cache.metadata(metadata.positions)
-        if start_pos + seqlen > self.config.max_seq_len and self.config.rope_scaling is None:
-            # RoPE extrapolates past the trained length badly; allow it but never silently beyond 2x.
-            if start_pos + seqlen > 2 * self.config.max_seq_len:
+            # RoPE extrapolates past the trained length badly; allow it but never silently
+            # beyond 2x. (Given metadata, the tokens may be several sequences flattened into one
+            # row, a paged step: the engine checks each sequence's length when it is added.)
+            longest = 2 * self.config.max_seq_len
+            if start_pos + seqlen > longest and self.config.rope_scaling is None:
                 raise ValueError(
                     f"sequence of {start_pos + seqlen} tokens exceeds twice the model's "
                     f"max_seq_len={self.config.max_seq_len}"
