@@ -152,3 +152,25 @@ def test_plan_recommend_on_several_gpus_points_at_zero(capsys):
 def test_train_auto_without_a_known_gpu_says_so(capsys):
     assert main(["train", "--auto", "--steps", "1", "--device", "cpu"]) == 2
     assert "--auto plans for the present GPU" in capsys.readouterr().err
+
+
+def test_serve_answers_over_http(monkeypatch):
+    """`memfit serve tiny`: the parsed flags reach the LLM and the engine, and the app it hands
+    to uvicorn answers (uvicorn.run replaced by a client of the app)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from fastapi.testclient import TestClient
+
+    answers = {}
+
+    def run(app, host, port):
+        client = TestClient(app)
+        answers["health"] = client.get("/health").text
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "return_token_ids": True}
+        answers["tokens"] = client.post("/v1/completions", json=body).json()["choices"][0]
+        answers["where"] = (host, port)
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    args = ["serve", "tiny", "--device", "cpu", "--port", "9001", "--max-model-len", "64"]
+    assert main(args) == 0
+    assert answers["health"] == "ok" and answers["where"] == ("127.0.0.1", 9001)
+    assert len(answers["tokens"]["token_ids"]) == 3
