@@ -139,6 +139,11 @@ def test_chat_with_the_openai_client(server, reference):
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert streamed == want.text
+    # no max_tokens: up to a stop token or the end of the context
+    reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+    longest = reference.engine.max_context - len(prompt)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert 0 < reply.usage.completion_tokens <= longest
 
 
 def test_concurrent_streams_all_finish(server):

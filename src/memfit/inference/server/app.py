@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,6 +72,9 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+OPEN_ENDED = 2**62  # no max_tokens: up to the end of the context (set per prompt)
 
 
 class ServerError(Exception):
@@ -139,7 +143,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
         for index in range(body.n):
             try:
                 params = SamplingParams(
-                    max_tokens=max_tokens or engine.engine.max_context,
+                    max_tokens=max_tokens or OPEN_ENDED,
                     temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                     min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                     seed=None if body.seed is None else body.seed + index, stop=stop,
@@ -242,6 +246,11 @@ class _Text:
 
 async def _respond(jobs, n: int, stream: bool, *, chat: bool, model: str, engine, token_ids):
     """Run every job (prompt, params) at once; `n` choices per prompt, in order."""
+    context = engine.engine.max_context
+    jobs = [
+        (p, replace(s, max_tokens=max(context - len(p), 1)) if s.max_tokens == OPEN_ENDED else s)
+        for p, s in jobs
+    ]
     for prompt, params in jobs:  # every choice checked before any runs
         try:
             engine.check(prompt, params)
