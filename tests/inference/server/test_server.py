@@ -249,3 +249,18 @@ def test_n_samples_share_the_prompt_blocks(server, reference):
     assert [c["token_ids"] for c in got["choices"]] == [want.token_ids] * 4
     assert got["usage"]["prompt_tokens"] == 14
     assert server.metric("memfit_prefix_cache_hit_tokens") - hits >= 36
+
+
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, llm):
+    longest = llm.engine.max_context - 3
+    aborted = 'memfit_requests_finished_total{finish_reason="abort"}'
+    aborts = server.metric(aborted) if "abort" in httpx.get(f"{server.url}/metrics").text else 0
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": longest, "ignore_eos": True,
+            "n": 16}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the answer
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.1)
+    deadline = time.time() + 30
+    while server.metric("memfit_kv_blocks_used") > 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.metric("memfit_kv_blocks_used") == 0
+    assert server.metric(aborted) == aborts + 16

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -170,6 +170,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
         samples = sampling(body, body.max_tokens, body.logprobs is not None)
         jobs = [(encode(p), s) for p in prompts for s in samples]
         return await _respond(
+            request,
             jobs,
             len(samples),
             body.stream,
@@ -195,6 +196,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
         samples = sampling(body, body.max_completion_tokens or body.max_tokens, body.logprobs)
         jobs = [(prompt, s) for s in samples]
         return await _respond(
+            request,
             jobs,
             len(samples),
             body.stream,
@@ -244,7 +246,9 @@ class _Text:
         return tokenizer.decode([token]) if tokenizer is not None else str(token)
 
 
-async def _respond(jobs, n: int, stream: bool, *, chat: bool, model: str, engine, token_ids):
+async def _respond(
+    request: Request, jobs, n: int, stream: bool, *, chat: bool, model: str, engine, token_ids
+):
     """Run every job (prompt, params) at once; `n` choices per prompt, in order."""
     context = engine.engine.max_context
     jobs = [
@@ -271,10 +275,22 @@ async def _respond(jobs, n: int, stream: bool, *, chat: bool, model: str, engine
         events = _stream(updates, texts, ident, created, model, chat, token_ids)
         return StreamingResponse(events, media_type="text/event-stream")
     content, logprobs, reasons = [""] * len(jobs), [[] for _ in jobs], [""] * len(jobs)
-    async for index, update in updates:
-        content[index] += texts[index].add(update)
-        logprobs[index] += update.logprobs or []
-        reasons[index] = update.finish_reason
+
+    async def collect() -> None:
+        async for index, update in updates:
+            content[index] += texts[index].add(update)
+            logprobs[index] += update.logprobs or []
+            reasons[index] = update.finish_reason
+
+    # a client that disconnects aborts its requests (a stream notices by itself: writing to a
+    # closed connection ends it; here nothing is written until the end)
+    collecting = asyncio.create_task(collect())
+    while not (await asyncio.wait({collecting}, timeout=0.25))[0]:
+        if await request.is_disconnected():
+            collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+            return Response(status_code=499)  # nobody to answer ("client closed request")
+    collecting.result()  # the engine's error, if it stopped
     choices = [
         _choice(i, content[i], texts[i], logprobs[i], reasons[i], chat, True, None, token_ids)
         for i in range(len(jobs))
