@@ -121,6 +121,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memfit-engine", daemon=True)
         self.error: BaseException | None = None
+        self.generated = 0  # tokens, for the log line
 
     # -- the event loop's side --------------------------------------------------------------
 
@@ -190,7 +191,7 @@ class AsyncEngine:
                 self._deliver()
                 now = time.perf_counter()
                 if now - last_log >= self.log_interval:
-                    tokens = int(self.metrics.tokens._value.get())
+                    tokens = self.generated
                     log.info(
                         "running %d, waiting %d, %.0f tokens/s, KV blocks %d of %d",
                         len(engine.running), len(engine.waiting),
@@ -239,6 +240,7 @@ class AsyncEngine:
                         self.metrics.itl.observe(gap)
                 sink.last_token = now
                 self.metrics.tokens.inc(len(new))
+                self.generated += len(new)
             logprobs = request.logprobs[sink.sent :] if request.logprobs is not None else None
             sink.sent = len(request.output)
             if request.finished:
