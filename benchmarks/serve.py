@@ -1,57 +1,219 @@
-"""Serving benchmark: `memfit serve`'s HTTP API under load, from a load generator in the same
-process (Poisson arrivals, streamed completions over localhost).
+"""Serving benchmark: `memfit serve`'s HTTP API under load, against `transformers serve` on the
+same checkpoint, machine and load. The load generator runs in a process of its own (Poisson
+arrivals, streamed completions over localhost), as a client would.
 
     python benchmarks/serve.py                         # llama-3.2-1b shapes, random bf16 weights
-    python benchmarks/serve.py --model tiny --device cpu --rates 2 --requests 8   # a smoke run
+    python benchmarks/serve.py --model tiny --device cpu --rates 4 inf --requests 8  # a smoke run
 
 Parts (--parts):
 - rates: requests with prompts uniform in 64..512 tokens and 128 new tokens each, arriving as a
-  Poisson process at each rate of --rates (requests/s, "inf": all at once); per rate: output
-  tokens/s, time to first token (TTFT) and inter-token latency (ITL, between two streamed
-  tokens) p50/p99.
+  Poisson process at each rate of --rates (requests/s, "inf": all at once), after an unloaded
+  run (one request at a time); per rate: output tokens/s, time to first token (TTFT) and
+  inter-token latency (ITL, between two streamed tokens) p50/p99.
+- chunk: the all-at-once load again with a prefill budget of --chunk-tokens tokens per step
+  (chunked prefill: a long prompt is computed in pieces between the running decodes): the ITL
+  that the running streams see against the throughput.
 - prefix: --requests requests behind one shared 1,024-token system prompt (and 64 tokens of
   their own), all at once, with prefix caching on and off: peak KV blocks, mean TTFT,
   throughput.
 - n: one 1,024-token prompt with n=4 (128 new tokens) against four separate requests of it,
   prefix caching off for the latter: peak KV blocks.
+- peer: `transformers serve` (continuous batching) on the checkpoint, the rates load at --peer-rates.
 
-The model has random weights and no tokenizer: prompts are token ids and every request runs to
-its max_tokens (ignore_eos). Results go to benchmarks/results/serve.json.
+The checkpoint has random weights, a word-level tokenizer (token i is the word "w<i>") and no
+end-of-sequence token, so that every request of both servers runs to its max_tokens; prompts are
+text, tokenized by each server. Results go to benchmarks/results/serve.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import multiprocessing
+import os
 import random
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
 import torch
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 from memfit.inference import LLM  # noqa: E402
-from memfit.inference.server import AsyncEngine, build_app  # noqa: E402
+from memfit.models import PRESETS  # noqa: E402
+
+# -- the checkpoint both servers load -------------------------------------------------------------
 
 
-class Server:
-    """memfit's API on a free localhost port, uvicorn in a thread."""
+def write_checkpoint(directory: Path, preset: str, device: str) -> Path:
+    """The preset's shapes as a transformers Llama checkpoint with random weights (bf16 on a GPU),
+    a word-level tokenizer over the whole vocabulary and no BOS/EOS token."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    def __init__(self, llm: LLM) -> None:
+    c = PRESETS[preset]
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+        rope_parameters={"rope_theta": c.rope_theta, **(c.rope_scaling or {"rope_type": "default"})},
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(directory)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    vocab = {f"w{i}": i for i in range(c.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    return directory
+
+
+def prompts(count, low, high, vocab, seed=0, prefix="") -> list[str]:
+    rng = random.Random(seed)
+    return [
+        prefix + " ".join(f"w{rng.randrange(1, vocab)}" for _ in range(rng.randint(low, high)))
+        for _ in range(count)
+    ]
+
+
+# -- the load generator (processes of its own) --------------------------------------------------
+
+
+async def _one(client, body, at) -> dict:
+    """One streamed request sent at wall-clock time `at` (None: now): its time to first token,
+    the gaps between its tokens, their count, and when its last token came."""
+    if at is not None:
+        await asyncio.sleep(max(0.0, at - time.time()))
+    sent_at, sent, times, usage = time.time(), time.perf_counter(), [], None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                ids = choice.get("token_ids")  # memfit's; else one word a token
+                count = len(ids) if ids is not None else len(choice.get("text", "").split())
+                times += [time.perf_counter()] * count
+    return {
+        "ttft": times[0] - sent if times else None,
+        "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
+        "tokens": len(times),
+        "completion_tokens": usage["completion_tokens"] if usage else len(times),
+        "sent_at": sent_at,
+        "end": time.time(),
+    }
+
+
+async def _requests(url, bodies, ats) -> list[dict]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        if ats is None:  # one after another
+            return [await _one(client, body, None) for body in bodies]
+        return await asyncio.gather(
+            *(_one(client, body, at) for body, at in zip(bodies, ats, strict=True))
+        )
+
+
+def _client(url, bodies, ats) -> tuple[list[dict], float]:
+    """One load-generating process's share; its records and the CPU time it took."""
+    cpu = time.process_time()
+    records = asyncio.run(_requests(url, bodies, ats))
+    return records, time.process_time() - cpu
+
+
+def run_load(clients, url, model, prompts, max_tokens, rate, n=1) -> dict:
+    """Send every prompt, streamed: Poisson arrivals at `rate` per second (inf: all at once; 0:
+    one after another, each sent when the one before has finished), spread over the `clients`
+    processes (one Python client parsing every stream would be the bottleneck)."""
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    bodies = [body | {"prompt": p} | ({"n": n} if n > 1 else {}) for p in prompts]
+    start = time.time() + 1.0
+    if rate == 0:
+        shares = [clients.submit(_client, url, bodies, None)]
+    else:
+        rng, ats, t = random.Random(0), [], start
+        for _ in prompts:
+            ats.append(t)
+            t += 0.0 if rate == float("inf") else rng.expovariate(rate)
+        ways = clients._max_workers
+        shares = [
+            clients.submit(_client, url, bodies[i::ways], ats[i::ways])
+            for i in range(min(ways, len(bodies)))
+        ]
+    done, cpu = [], 0.0
+    for share in shares:
+        records, seconds = share.result()
+        done += records
+        cpu += seconds
+    if rate == 0:
+        start = min(r["sent_at"] for r in done)
+    seconds = max(r["end"] for r in done) - start
+    ttft = [r["ttft"] for r in done if r["ttft"] is not None]
+    itl = [gap for r in done for gap in r["itl"]]
+    tokens = sum(r["tokens"] for r in done)
+    return {
+        "rate": {0: "one at a time", float("inf"): "inf"}.get(rate, rate),
+        "requests": len(prompts), "output_tokens": tokens,
+        "usage_completion_tokens": sum(r["completion_tokens"] for r in done),
+        "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft": _percentiles(ttft),
+        "itl": _percentiles(itl) if itl else {}, "client_cpu_s": cpu,
+    }  # fmt: skip
+
+
+def _percentiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
+
+
+# -- the servers ----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MemfitServer:
+    """memfit's API on a free localhost port: the engine thread and uvicorn in this process, as
+    `memfit serve` runs them."""
+
+    def __init__(self, llm: LLM, name: str) -> None:
+        import uvicorn
+
+        from memfit.inference.server import AsyncEngine, build_app
+
         self.engine = AsyncEngine(llm, max_waiting=100_000)
         self.engine.start()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        app = build_app(self.engine, model_name="m")
+        port = _free_port()
+        app = build_app(self.engine, model_name=name)
         self.server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -59,106 +221,142 @@ class Server:
             time.sleep(0.01)
         self.url = f"http://127.0.0.1:{port}"
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time so far of the engine thread and of the HTTP server's (one process: they
+        share the interpreter's lock)."""
+        threads = {"engine": self.engine._thread, "http": self.thread}
+        return {
+            name: time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            for name, thread in threads.items()
+        }
+
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.engine.stop()
 
 
-async def _one(client, prompt, max_tokens, n, delay, start) -> dict:
-    """One streamed request sent at start + delay: its arrival, first-token and token times."""
-    await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "n": n, "stream": True,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    sent, times = time.perf_counter(), []
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                count = len(json.loads(line[6:])["choices"][0]["token_ids"])
-                times += [time.perf_counter()] * count
-    return {"sent": sent, "times": times}
+PEER = """
+import sys
+from transformers.cli.serve import Serve
+Serve(force_model=sys.argv[1], continuous_batching=True, device=sys.argv[2], host="127.0.0.1",
+      port=int(sys.argv[3]), log_level="warning")
+"""
 
 
-async def _load(url, prompts, max_tokens, rate, n=1) -> dict:
-    """Send every prompt (Poisson arrivals at `rate` per second; inf: all at once)."""
-    rng = random.Random(0)
-    delays, t = [], 0.0
-    for _ in prompts:
-        delays.append(t)
-        t += 0.0 if rate == float("inf") else rng.expovariate(rate)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        start = time.perf_counter()
-        done = await asyncio.gather(
-            *(
-                _one(client, p, max_tokens, n, d, start)
-                for p, d in zip(prompts, delays, strict=True)
+class PeerServer:
+    """`transformers serve CHECKPOINT --continuous-batching` in a child process."""
+
+    def __init__(self, checkpoint: Path, device: str) -> None:
+        port = _free_port()
+        self.command = [sys.executable, "-c", PEER, str(checkpoint), device, str(port)]
+        self.log = checkpoint / "peer.log"  # its access log: a line a request
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                self.command, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT
             )
-        )
-        seconds = time.perf_counter() - start
-    ttft = [r["times"][0] - r["sent"] for r in done if r["times"]]
-    itl = [b - a for r in done for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    tokens = sum(len(r["times"]) for r in done)
-    return {
-        "rate": rate if rate != float("inf") else "inf", "requests": len(prompts),
-        "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-        "ttft_mean_s": sum(ttft) / len(ttft), "ttft": harness.percentiles(ttft) | _p99(ttft),
-        "itl": harness.percentiles(itl) | _p99(itl) if itl else {},
-    }  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log.read_text()[-3000:]
+                raise RuntimeError(
+                    f"transformers serve exited with {self.process.returncode}:\n{tail}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.close()
+        raise RuntimeError("transformers serve did not answer /health in 600 s")
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
-def _p99(values: list[float]) -> dict:
-    ordered = sorted(values)
-    return {"p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
+# -- the parts ------------------------------------------------------------------------------------
 
 
-def _prompts(count, low, high, vocab, seed=0, prefix=()) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        list(prefix) + [rng.randrange(vocab) for _ in range(rng.randint(low, high))]
-        for _ in range(count)
-    ]
+def _line(label: str, row: dict) -> None:
+    itl = row["itl"]
+    print(
+        f"{label}: {row['tokens_per_s']:,.0f} tokens/s, TTFT p50 {row['ttft']['p50'] * 1e3:.0f} ms "
+        f"p99 {row['ttft']['p99'] * 1e3:.0f} ms, ITL p50 {itl.get('p50', 0) * 1e3:.1f} ms p99 "
+        f"{itl.get('p99', 0) * 1e3:.1f} ms"
+        + (
+            ", host CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in row["cpu_seconds"].items())
+            if "cpu_seconds" in row
+            else ""
+        ),
+        flush=True,
+    )
 
 
-def _peak_blocks(llm: LLM) -> int:
-    return llm.engine.peak_blocks
+def warm_up(clients, url, model, args) -> None:
+    """A few requests of the prompt lengths to come, together and alone (not timed)."""
+    vocab = PRESETS[args.model].vocab_size
+    batch = prompts(8, args.prompt_low, args.prompt_high, vocab, seed=5)
+    for rate in (float("inf"), 0):
+        run_load(clients, url, model, batch[:4] if rate == 0 else batch, 8, rate)
 
 
-def rates_part(llm, args) -> list[dict]:
-    vocab = llm.config.vocab_size
+def load_rows(clients, server, model, args, rates, label) -> list[dict]:
+    vocab = PRESETS[args.model].vocab_size
     rows = []
-    server = Server(llm)
+    for rate in rates:
+        count = args.unloaded_requests if rate == 0 else args.requests
+        batch = prompts(count, args.prompt_low, args.prompt_high, vocab, seed=1)
+        cpu = server.cpu_seconds() if isinstance(server, MemfitServer) else None
+        row = run_load(clients, server.url, model, batch, args.new_tokens, rate)
+        if cpu is not None:
+            row["cpu_seconds"] = {k: v - cpu[k] for k, v in server.cpu_seconds().items()}
+        rows.append(row)
+        _line(f"{label} rate {row['rate']}", row)
+    return rows
+
+
+def rates_part(clients, llm, args) -> list[dict]:
+    server = MemfitServer(llm, "m")
     try:
-        for rate in args.rates:
-            prompts = _prompts(args.requests, args.prompt_low, args.prompt_high, vocab, seed=1)
-            row = asyncio.run(_load(server.url, prompts, args.new_tokens, rate))
-            rows.append(row)
-            print(
-                f"rate {row['rate']}: {row['tokens_per_s']:,.0f} tokens/s, TTFT p50 "
-                f"{row['ttft']['p50'] * 1e3:.0f} ms p99 {row['ttft']['p99'] * 1e3:.0f} ms, ITL p50 "
-                f"{row['itl'].get('p50', 0) * 1e3:.1f} ms p99 {row['itl'].get('p99', 0) * 1e3:.1f} ms",
-                flush=True,
-            )
+        return load_rows(clients, server, "m", args, [0, *args.rates], "memfit")
     finally:
+        server.close()
+
+
+def chunk_part(clients, llm, args) -> list[dict]:
+    rows, default = [], llm.engine.max_step_tokens
+    server = MemfitServer(llm, "m")
+    try:
+        for budget in args.chunk_tokens:
+            llm.engine.max_step_tokens = budget
+            (row,) = load_rows(clients, server, "m", args, [float("inf")], f"budget {budget}")
+            rows.append(row | {"max_step_tokens": budget})
+    finally:
+        llm.engine.max_step_tokens = default
         server.close()
     return rows
 
 
-def prefix_part(llm, args) -> list[dict]:
-    vocab = llm.config.vocab_size
-    system = _prompts(1, args.prefix_len, args.prefix_len, vocab, seed=2)[0]
-    prompts = _prompts(args.requests, 64, 64, vocab, seed=3, prefix=system)
+def prefix_part(clients, llm, args) -> list[dict]:
+    vocab = PRESETS[args.model].vocab_size
+    system = prompts(1, args.prefix_len, args.prefix_len, vocab, seed=2)[0] + " "
+    batch = prompts(args.requests, 64, 64, vocab, seed=3, prefix=system)
     rows = []
     for caching in (False, True):
         llm.cache.prefix_caching = caching
         llm.engine.peak_blocks = 0
-        server = Server(llm)
+        server = MemfitServer(llm, "m")
         try:
-            row = asyncio.run(_load(server.url, prompts, args.new_tokens, float("inf")))
+            row = run_load(clients, server.url, "m", batch, args.new_tokens, float("inf"))
         finally:
             server.close()
-        row |= {"prefix_caching": caching, "peak_blocks": _peak_blocks(llm)}
+        row |= {"prefix_caching": caching, "peak_blocks": llm.engine.peak_blocks}
         rows.append(row)
         print(
             f"shared {args.prefix_len}-token prefix, caching {'on' if caching else 'off'}: peak "
@@ -166,25 +364,27 @@ def prefix_part(llm, args) -> list[dict]:
             f"{row['tokens_per_s']:,.0f} tokens/s",
             flush=True,
         )
+    llm.cache.prefix_caching = True
     return rows
 
 
-def n_part(llm, args) -> dict:
-    vocab = llm.config.vocab_size
-    prompt = _prompts(1, args.prefix_len, args.prefix_len, vocab, seed=4)[0]
-    result = {}
-    for label, caching, prompts, n in (
+def n_part(clients, llm, args) -> dict:
+    vocab = PRESETS[args.model].vocab_size
+    prompt = prompts(1, args.prefix_len, args.prefix_len, vocab, seed=4)[0]
+    result = {"prompt_tokens": args.prefix_len, "new_tokens": args.new_tokens}
+    for label, caching, batch, n in (
         ("n=4", True, [prompt], 4),
         ("4 requests", False, [prompt] * 4, 1),
     ):
         llm.cache.prefix_caching = caching
         llm.engine.peak_blocks = 0
-        server = Server(llm)
+        server = MemfitServer(llm, "m")
         try:
-            asyncio.run(_load(server.url, prompts, args.new_tokens, float("inf"), n=n))
+            run_load(clients, server.url, "m", batch, args.new_tokens, float("inf"), n)
         finally:
             server.close()
-        result[label] = _peak_blocks(llm)
+        result[label] = llm.engine.peak_blocks
+    llm.cache.prefix_caching = True
     result["ratio"] = result["n=4"] / result["4 requests"]
     print(
         f"n=4 of a {args.prefix_len}-token prompt: peak {result['n=4']} blocks against "
@@ -194,31 +394,64 @@ def n_part(llm, args) -> dict:
     return result
 
 
+def peer_part(clients, checkpoint, args) -> dict:
+    import transformers
+
+    server = PeerServer(checkpoint, args.device)
+    try:  # the first requests start its continuous-batching worker: not timed
+        warm_up(clients, server.url, str(checkpoint), args)
+        rows = load_rows(clients, server, str(checkpoint), args, args.peer_rates, "transformers")
+    finally:
+        server.close()
+    return {"transformers": transformers.__version__, "server": "transformers serve "
+            "--continuous-batching (transformers.cli.serve.Serve)", "rates": rows}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--parts", nargs="+", default=["rates", "prefix", "n"])
-    parser.add_argument("--rates", nargs="+", type=float, default=[4, 8, 16, 32, 64, float("inf")])
+    parser.add_argument("--parts", nargs="+", default=["peer", "rates", "chunk", "prefix", "n"])
+    parser.add_argument(
+        "--rates", nargs="+", type=float, default=[8, 16, 32, 64, 128, float("inf")]
+    )
+    parser.add_argument("--peer-rates", nargs="+", type=float, default=[float("inf")])
+    parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[256, 512])
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--unloaded-requests", type=int, default=8)
     parser.add_argument("--prompt-low", type=int, default=64)
     parser.add_argument("--prompt-high", type=int, default=512)
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--clients", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, prefix_caching=True)
-    run = {
-        "env": harness.environment(),
-        "model": args.model,
-        "kv_blocks": llm.cache.pool.num_blocks,
-    }
-    if "rates" in args.parts:
-        run["rates"] = rates_part(llm, args)
-    if "prefix" in args.parts:
-        run["prefix"] = prefix_part(llm, args)
-    if "n" in args.parts:
-        run["n"] = n_part(llm, args)
+    clients = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
+    for started in [clients.submit(time.sleep, 1) for _ in range(args.clients)]:
+        started.result()  # every client process up before the clock starts
+    workdir = tempfile.TemporaryDirectory()
+    checkpoint = write_checkpoint(Path(workdir.name), args.model, args.device)
+    run = {"env": harness.environment(), "model": args.model, "new_tokens": args.new_tokens,
+           "prompt_tokens": [args.prompt_low, args.prompt_high], "requests": args.requests}  # fmt: skip
+    if "peer" in args.parts:  # first, while this process holds no GPU memory
+        run["peer"] = peer_part(clients, checkpoint, args)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "serve_partial.json").write_text(json.dumps(run, indent=2))
+    llm = LLM(checkpoint, device=args.device, max_seq_len=args.max_model_len, prefix_caching=True)
+    run["kv_blocks"] = llm.cache.pool.num_blocks
+    run["max_step_tokens"] = llm.engine.max_step_tokens
+    server = MemfitServer(llm, "m")  # the first requests compile kernels: not timed
+    warm_up(clients, server.url, "m", args)
+    server.close()
+    for part in ("rates", "chunk", "prefix", "n"):
+        if part in args.parts:
+            run[part] = globals()[f"{part}_part"](clients, llm, args)
+            if args.out is not None:  # what a run cut short had measured
+                (args.out / "serve_partial.json").write_text(json.dumps(run, indent=2))
+    clients.shutdown()
+    workdir.cleanup()
     if args.device == "cpu":
         print("(a CPU smoke run: nothing saved)")
         return

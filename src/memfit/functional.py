@@ -230,7 +230,7 @@ def _paged(
 ):
     """memfit's Triton paged kernels (memfit.ops.attention.paged) where Triton runs, else the
     plain-PyTorch reference."""
-    if not use_triton(q) or metadata.seq_lens is None:
+    if not use_triton(q) or metadata.seq_lens is None or not head_dim_supported(q.shape[-1]):
         return _paged_reference(
             q, key_pool, value_pool, causal=causal, window=window, mask=mask, metadata=metadata
         )

@@ -198,6 +198,30 @@ def test_pipelined_sampling_draws_what_the_plain_steps_draw(model):
             torch.testing.assert_close(logprobs, plain_logprobs, rtol=1e-5, atol=1e-5)
 
 
+def test_on_step_sees_every_step_and_ends_a_pipelined_run(model):
+    """The hook a server streams from: called after every step, pipelined ones too, each time
+    with one more token of each sequence; returning True ends the pipelined run after the step
+    already queued, and the next `step()` starts another."""
+    from memfit.inference.cuda_graphs import DecodeGraphs
+
+    cache = PagedKVCache(
+        model.config, num_blocks=40, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=64, max_running=4)
+    engine.graphs = DecodeGraphs(model, cache, max_batch=4, max_seq_len=engine.max_context)
+    seen, runs = [], []
+    engine.on_step = lambda: (
+        seen.append([len(r.output) for r in engine.requests.values()]) or (len(seen) == 5)
+    )
+    run = engine._decode_pipelined
+    engine._decode_pipelined = lambda steps: runs.append(len(seen)) or run(steps)
+    for prompt in prompts((3, 9)):
+        engine.add(prompt, SamplingParams(max_tokens=10))
+    engine.run()
+    assert seen == [[n, n] for n in range(1, 11)]
+    assert runs == [1, 6]  # after the prefill; again after the step queued when told to stop
+
+
 def test_block_pool_keeps_cached_blocks_until_needed_least_recent_first():
     from memfit.inference.paged_cache import BlockPool
 

@@ -98,8 +98,10 @@ class Engine:
         """Every request added and not forgotten, by id (the order they came in)."""
         self._next_id = 0
         self.pipeline_steps = 32
-        """The most decode steps one `step()` may pipeline (a server streaming tokens as they
-        come sets fewer)."""
+        """The most decode steps one `step()` may pipeline."""
+        self.on_step: Callable[[], bool] | None = None
+        """Called after each step's tokens are accepted, pipelined ones included (a server
+        streams them from here); returning True ends a pipelined run early (requests arrived)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps = self.preemptions = 0
@@ -283,6 +285,7 @@ class Engine:
         if decode:
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - start
+        self._stepped()
 
     # -- pipelined greedy decoding --------------------------------------------------------------
 
@@ -320,9 +323,11 @@ class Engine:
         tokens_of = self._draw(requests, plain, ahead=0)
         for r in requests:
             r.computed += 1
+        interrupted = False
         for count in range(1, max_steps + 1):
             queue_next = (
                 count < max_steps
+                and not interrupted
                 and all(len(r.output) + 1 < r.params.max_tokens for r in requests)
                 and self._fits_one_more(requests)
             )
@@ -331,6 +336,7 @@ class Engine:
                 # drawn for outputs one token longer than the host has seen so far
                 next_tokens_of = self._draw(requests, plain, ahead=1)
             start = self._accept_decode_step(requests, *tokens_of(), start)
+            interrupted = self._stepped()
             if not queue_next:
                 return
             for r in requests:
@@ -338,6 +344,7 @@ class Engine:
             tokens_of = next_tokens_of
             if any(r.finished for r in requests):
                 self._accept_decode_step(requests, *tokens_of(), start)
+                self._stepped()
                 return
 
     def _draw(self, requests: list[Request], plain: bool, ahead: int):
@@ -365,6 +372,9 @@ class Engine:
         end = time.perf_counter()
         self.decode_seconds += end - start
         return end
+
+    def _stepped(self) -> bool:
+        return self.on_step is not None and bool(self.on_step())
 
     def _register_blocks(self, requests: list[Request]) -> None:
         """With prefix caching: the blocks the step filled, registered under their tokens."""

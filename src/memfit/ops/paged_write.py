@@ -25,7 +25,7 @@ __all__ = ["rotary_paged_write"]
 _BLOCK_ELEMENTS = 2048  # elements of each half of head_dim per program, as the rotary kernel's
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rotary_paged_write_kernel(
     qkv_ptr,
     cos_ptr,

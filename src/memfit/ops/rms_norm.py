@@ -73,7 +73,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _rms_norm_forward_kernel(
     x_ptr,
     weight_ptr,

@@ -78,7 +78,7 @@ def _load_gate_up(gate_up_ptr, row_index, col_index, mask, stride_gate_up_row, f
     return gate, up
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _swiglu_forward_kernel(
     gate_up_ptr,
     out_ptr,

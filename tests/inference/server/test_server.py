@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from memfit.inference import LLM, SamplingParams
@@ -60,9 +61,28 @@ class Server:
         raise KeyError(f"{name} not in {httpx.get(f'{self.url}/metrics').text}")
 
 
+DEVICES = {
+    "cpu": {"device": "cpu", "dtype": "fp32"},
+    # the GPU twin: CUDA graphs, pipelined decode and the compiled sampler in the engine thread
+    "cuda": {"device": "cuda", "dtype": "fp32", "kv_cache_bytes": 64 << 20},
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+    ],
+)  # fmt: skip
+def device(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(checkpoint, device="cpu", dtype="fp32", block_size=4, prefix_caching=True)
+def llm(checkpoint, device):
+    return LLM(checkpoint, block_size=4, prefix_caching=True, **DEVICES[device])
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +93,9 @@ def server(llm):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(checkpoint, device):
     """The offline API on its own LLM (an engine is stepped by one thread only)."""
-    return LLM(checkpoint, device="cpu", dtype="fp32", block_size=4)
+    return LLM(checkpoint, block_size=4, **DEVICES[device])
 
 
 def offline(llm, prompt_ids, params):
@@ -166,7 +186,14 @@ def test_concurrent_streams_all_finish(server):
     assert server.metric("memfit_kv_blocks_used") == 0
 
 
-def test_a_client_that_disconnects_frees_its_blocks(server, llm):
+def _slowed(monkeypatch, llm) -> None:
+    """5 ms a step: a request of hundreds of tokens outlasts the client that leaves it."""
+    step = llm.engine.on_step
+    monkeypatch.setattr(llm.engine, "on_step", lambda: time.sleep(0.005) or step())
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server, llm, monkeypatch):
+    _slowed(monkeypatch, llm)
     longest = llm.engine.max_context - 3
     aborted = 'memfit_requests_finished_total{finish_reason="abort"}'
     aborts = server.metric(aborted) if "abort" in httpx.get(f"{server.url}/metrics").text else 0
@@ -212,9 +239,12 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, body, messa
     assert ok.status_code == 200
 
 
-def test_a_full_queue_answers_429(llm):
+def test_a_full_queue_answers_429(checkpoint, device):
+    llm = LLM(checkpoint, block_size=4, **DEVICES[device])
     server = Server(llm, max_waiting=0)
     try:
+        with pytest.raises(RuntimeError, match="already served"):  # one engine thread an engine
+            AsyncEngine(llm).start()
         response = httpx.post(f"{server.url}/v1/completions",
                               json={"model": "tiny", "prompt": "w5", "max_tokens": 2})  # fmt: skip
         assert response.status_code == 429
@@ -251,7 +281,8 @@ def test_n_samples_share_the_prompt_blocks(server, reference):
     assert server.metric("memfit_prefix_cache_hit_tokens") - hits >= 36
 
 
-def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, llm):
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, llm, monkeypatch):
+    _slowed(monkeypatch, llm)
     longest = llm.engine.max_context - 3
     aborted = 'memfit_requests_finished_total{finish_reason="abort"}'
     aborts = server.metric(aborted) if "abort" in httpx.get(f"{server.url}/metrics").text else 0

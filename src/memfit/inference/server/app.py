@@ -213,13 +213,19 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
 
 
 class _Text:
-    """One choice's text as its tokens arrive: what may be sent now, and the rest at the end."""
+    """One choice's text as its tokens arrive: what may be sent now, and the rest at the end.
+    Decoded incrementally, a few tokens at a time (the tokens just read give the next ones their
+    context: a leading space, a character split across tokens), so that a long answer costs no
+    more a token than a short one; the final text is decoded whole."""
 
     def __init__(self, llm, prompt: list[int], params: SamplingParams) -> None:
         self.llm, self.prompt = llm, prompt
         self.tokens: list[int] = []
-        self.sent = ""
+        self.text = ""  # decoded so far
+        self.sent = ""  # of it, what went out (a possible stop string's start is held back)
         self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self._window = list(prompt[-4:])  # the context tokens, then those not yet decoded
+        self._read = len(self._window)
 
     def add(self, update: Update) -> str:
         self.tokens += update.token_ids
@@ -229,13 +235,17 @@ class _Text:
             text = update.text if update.text is not None else self._decode()
             new, self.sent = text[len(self.sent) :], text
             return new
-        text = self._decode()
-        safe = len(text) - self.hold
-        while safe > len(self.sent) and text[safe - 1] == "\ufffd":  # bytes still to come
-            safe -= 1
+        self._window += update.token_ids
+        decode = self.llm.tokenizer.decode
+        before, after = decode(self._window[: self._read]), decode(self._window)
+        if len(after) > len(before) and not after.endswith("\ufffd"):  # no bytes still to come
+            self.text += after[len(before) :]
+            self._window = self._window[self._read :]
+            self._read = len(self._window)
+        safe = len(self.text) - self.hold
         if safe <= len(self.sent):
             return ""
-        new, self.sent = text[len(self.sent) : safe], text[:safe]
+        new, self.sent = self.text[len(self.sent) : safe], self.text[:safe]
         return new
 
     def _decode(self) -> str:
@@ -311,6 +321,13 @@ async def _respond(
 async def _merged(streams: list) -> AsyncIterator[tuple[int, Update]]:
     """The updates of several requests as they come, tagged with their index; all requests
     start at once. Closing this generator (a client gone) aborts those still running."""
+    if len(streams) == 1:  # the common case: no queue between
+        try:
+            async for update in streams[0]:
+                yield 0, update
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int) -> None:
@@ -373,12 +390,14 @@ def _choice_body(index, text, sample: _Text, logprobs, reason, chat: bool, final
 async def _stream(updates, texts, ident, created, model, chat, token_ids) -> AsyncIterator[str]:
     """Server-sent events of every choice, interleaved as their tokens come."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    head = json.dumps({"id": ident, "object": kind, "created": created, "model": model})
+    head = f'data: {head[:-1]}, "choices": ['  # the same for every chunk: encoded once
     try:
         if chat:
             for index in range(len(texts)):
                 chunk = {"index": index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}  # fmt: skip
-                yield _event(ident, kind, created, model, chunk)
+                yield f"{head}{json.dumps(chunk)}]}}\n\n"
         async for index, update in updates:
             text = texts[index]
             before = len(text.tokens)
@@ -397,12 +416,7 @@ async def _stream(updates, texts, ident, created, model, chat, token_ids) -> Asy
                 new,
                 token_ids,
             )
-            yield _event(ident, kind, created, model, chunk)
+            yield f"{head}{json.dumps(chunk)}]}}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         await updates.aclose()
-
-
-def _event(ident: str, kind: str, created: int, model: str, choice: dict) -> str:
-    body = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
-    return f"data: {json.dumps(body)}\n\n"

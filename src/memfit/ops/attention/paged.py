@@ -110,7 +110,7 @@ def _attend_pages(
 # Integers that change from step to step are not specialized on (Triton compiles a variant per
 # value class, == 1 or a multiple of 16, by default): a serving engine would compile anew in the
 # middle of its run whenever the batch crossed one.
-@triton.jit(do_not_specialize=["window", "num_splits"])
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
 def _decode_kernel(
     Q,
     K,
@@ -219,7 +219,10 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, _to_dtype(out, Out.dtype.element_ty, INTERPRET), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+# Arguments that change from step to step (the table width, lengths, token counts: here and in
+# the other kernels of a serving step) are not specialized: Triton compiles a variant for an int
+# equal to 1 or divisible by 16, a second-long stall of a server the first time a step has one.
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"])
 def _chunk_kernel(
     Q,
     K,
