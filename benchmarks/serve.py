@@ -13,6 +13,8 @@ Parts (--parts):
 - chunk: the all-at-once load again with a prefill budget of --chunk-tokens tokens per step
   (chunked prefill: a long prompt is computed in pieces between the running decodes): the ITL
   that the running streams see against the throughput.
+- switch: the all-at-once load with the interpreter's thread switch interval at each of
+  --switch-intervals seconds (Python's default is 5 ms; the server sets 0.1 ms).
 - prefix: --requests requests behind one shared 1,024-token system prompt (and 64 tokens of
   their own), all at once, with prefix caching on and off: peak KV blocks, mean TTFT,
   throughput.
@@ -205,12 +207,12 @@ class MemfitServer:
     """memfit's API on a free localhost port: the engine thread and uvicorn in this process, as
     `memfit serve` runs them."""
 
-    def __init__(self, llm: LLM, name: str) -> None:
+    def __init__(self, llm: LLM, name: str, **options) -> None:
         import uvicorn
 
         from memfit.inference.server import AsyncEngine, build_app
 
-        self.engine = AsyncEngine(llm, max_waiting=100_000)
+        self.engine = AsyncEngine(llm, max_waiting=100_000, **options)
         self.engine.start()
         port = _free_port()
         app = build_app(self.engine, model_name=name)
@@ -343,6 +345,20 @@ def chunk_part(clients, llm, args) -> list[dict]:
     return rows
 
 
+def switch_part(clients, llm, args) -> list[dict]:
+    """The all-at-once load at several interpreter switch intervals (AsyncEngine's
+    switch_interval): how long the engine thread may wait for the lock a busy HTTP thread holds."""
+    rows = []
+    for interval in args.switch_intervals:
+        server = MemfitServer(llm, "m", switch_interval=interval)
+        try:
+            (row,) = load_rows(clients, server, "m", args, [float("inf")], f"switch {interval}")
+        finally:
+            server.close()
+        rows.append(row | {"switch_interval": interval})
+    return rows
+
+
 def prefix_part(clients, llm, args) -> list[dict]:
     vocab = PRESETS[args.model].vocab_size
     system = prompts(1, args.prefix_len, args.prefix_len, vocab, seed=2)[0] + " "
@@ -411,12 +427,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--parts", nargs="+", default=["peer", "rates", "chunk", "prefix", "n"])
     parser.add_argument(
-        "--rates", nargs="+", type=float, default=[8, 16, 32, 64, 128, float("inf")]
+        "--parts", nargs="+", default=["peer", "rates", "chunk", "switch", "prefix", "n"]
+    )
+    parser.add_argument(
+        "--rates", nargs="+", type=float, default=[16, 32, 64, 128, 256, float("inf")]
     )
     parser.add_argument("--peer-rates", nargs="+", type=float, default=[float("inf")])
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[256, 512])
+    parser.add_argument(
+        "--switch-intervals", nargs="+", type=float, default=[0.005, 0.0005, 0.0001]
+    )
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--unloaded-requests", type=int, default=8)
     parser.add_argument("--prompt-low", type=int, default=64)
@@ -445,7 +466,7 @@ def main() -> None:
     server = MemfitServer(llm, "m")  # the first requests compile kernels: not timed
     warm_up(clients, server.url, "m", args)
     server.close()
-    for part in ("rates", "chunk", "prefix", "n"):
+    for part in ("rates", "chunk", "switch", "prefix", "n"):
         if part in args.parts:
             run[part] = globals()[f"{part}_part"](clients, llm, args)
             if args.out is not None:  # what a run cut short had measured

@@ -137,8 +137,7 @@ class AsyncEngine:
         switch_interval: the interpreter's thread switch interval while the engine runs
         (sys.setswitchinterval; None leaves it): the engine thread gives up the interpreter
         lock at each wait for the GPU and, at Python's default of 5 ms, may wait that long to
-        get it back from a busy HTTP thread, every time (llama-3.2-1b, 256 streams on an H100:
-        11.8k tokens/s at 5 ms, 18.1k at 0.5 ms, 28.4k at 0.1 ms)."""
+        get it back from a busy HTTP thread, every time (BENCHMARKS.md, memfit serve)."""
         self.llm, self.engine = llm, llm.engine
         self.switch_interval = switch_interval
         self._previous_interval = sys.getswitchinterval()
