@@ -726,6 +726,70 @@ def inference_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def serve_table(run: dict) -> str:
+    """benchmarks/serve.py: memfit serve and transformers serve under the same load."""
+
+    def ms(stats: dict, key: str) -> str:
+        return f"{stats[key] * 1e3:.1f}" if key in stats else "-"
+
+    def row(system: str, r: dict, extra: str = "") -> str:
+        return (
+            f"| {system} | {r['rate']}{extra} | {r['tokens_per_s']:,.0f} | "
+            f"{ms(r['ttft'], 'p50')} / {ms(r['ttft'], 'p99')} | "
+            f"{ms(r['itl'], 'p50')} / {ms(r['itl'], 'p99')} |"
+        )
+
+    low, high = run["prompt_tokens"]
+    peer = run["peer"]
+    lines = [
+        _env_line(run, f"transformers serve from transformers {peer['transformers']}."),
+        "",
+        f"Streamed completions over localhost, llama-3.2-1b shapes, random bf16 weights, a "
+        f"word-level tokenizer, {run['requests']} requests of {low}-{high} prompt tokens and "
+        f"{run['new_tokens']} new tokens each (none stops early), Poisson arrivals at each rate "
+        "(inf: all at once); the load from client processes of its own. TTFT and ITL in ms:",
+        "",
+        "| server | requests/s | output tokens/s | TTFT p50 / p99 | ITL p50 / p99 |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [row("`transformers serve --continuous-batching`", r) for r in peer["rates"]]
+    lines += [row("`memfit serve`", r) for r in run.get("rates", [])]
+    lines += [
+        row("`memfit serve`", r, f", prefill budget {r['max_step_tokens']}")
+        for r in run.get("chunk", [])
+    ]
+    if "offline" in run:
+        o = run["offline"]
+        lines.append(
+            f"| memfit `LLM.generate` (offline, no HTTP) | all at once | "
+            f"{o['tokens_per_s']:,.0f} | - | - |"
+        )
+    if "prefix" in run:
+        off, on = (next(r for r in run["prefix"] if r["prefix_caching"] == c) for c in (0, 1))
+        lines += [
+            "",
+            f"{off['requests']} requests behind one 1,024-token system prompt (and 64 tokens of "
+            "their own), all at once:",
+            "",
+            "| prefix caching | peak KV blocks | mean TTFT | output tokens/s |",
+            "|---|---|---|---|",
+            f"| off | {off['peak_blocks']:,} | {off['ttft_mean_s'] * 1e3:.0f} ms | "
+            f"{off['tokens_per_s']:,.0f} |",
+            f"| on | {on['peak_blocks']:,} ({on['peak_blocks'] / off['peak_blocks']:.0%}) | "
+            f"{on['ttft_mean_s'] * 1e3:.0f} ms ({off['ttft_mean_s'] / on['ttft_mean_s']:.2f}x "
+            f"lower) | {on['tokens_per_s']:,.0f} |",
+        ]
+    if "n" in run:
+        n = run["n"]
+        lines += [
+            "",
+            f"Parallel sampling of one {n['prompt_tokens']:,}-token prompt, {n['new_tokens']} new "
+            f"tokens: `n`=4 peaks at {n['n=4']} KV blocks, four separate requests of it at "
+            f"{n['4 requests']} ({n['ratio']:.0%}).",
+        ]
+    return "\n".join(lines)
+
+
 def _has(key: str) -> Callable[[dict], bool]:
     return lambda run: bool(run.get(key))
 
@@ -747,6 +811,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "zero_offload": ("zero", partial(zero_table, offload=True), _offload_run, True),
     "scaling": ("zero", scaling_table, lambda run: _gpus(run) > 0, True),
     "inference": ("inference", inference_table, _has("kernel"), True),
+    "serve": ("serve", serve_table, _has("peer"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

@@ -13,8 +13,7 @@ Parts (--parts):
 - chunk: the all-at-once load again with a prefill budget of --chunk-tokens tokens per step
   (chunked prefill: a long prompt is computed in pieces between the running decodes): the ITL
   that the running streams see against the throughput.
-- switch: the all-at-once load with the interpreter's thread switch interval at each of
-  --switch-intervals seconds (Python's default is 5 ms; the server sets 0.1 ms).
+- offline: the all-at-once load's work through `LLM.generate` in this process (no HTTP).
 - prefix: --requests requests behind one shared 1,024-token system prompt (and 64 tokens of
   their own), all at once, with prefix caching on and off: peak KV blocks, mean TTFT,
   throughput.
@@ -51,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-from memfit.inference import LLM  # noqa: E402
+from memfit.inference import LLM, SamplingParams  # noqa: E402
 from memfit.models import PRESETS  # noqa: E402
 
 # -- the checkpoint both servers load -------------------------------------------------------------
@@ -308,12 +307,14 @@ def warm_up(clients, url, model, args) -> None:
         run_load(clients, url, model, batch[:4] if rate == 0 else batch, 8, rate)
 
 
-def load_rows(clients, server, model, args, rates, label) -> list[dict]:
+def load_rows(clients, server, model, args, rates, label, seed) -> list[dict]:
+    """A load at each rate, each of prompts of its own (`seed` onwards): a prompt sent before
+    would find its blocks in the prefix cache."""
     vocab = PRESETS[args.model].vocab_size
     rows = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
         count = args.unloaded_requests if rate == 0 else args.requests
-        batch = prompts(count, args.prompt_low, args.prompt_high, vocab, seed=1)
+        batch = prompts(count, args.prompt_low, args.prompt_high, vocab, seed=seed + i)
         cpu = server.cpu_seconds() if isinstance(server, MemfitServer) else None
         row = run_load(clients, server.url, model, batch, args.new_tokens, rate)
         if cpu is not None:
@@ -326,7 +327,7 @@ def load_rows(clients, server, model, args, rates, label) -> list[dict]:
 def rates_part(clients, llm, args) -> list[dict]:
     server = MemfitServer(llm, "m")
     try:
-        return load_rows(clients, server, "m", args, [0, *args.rates], "memfit")
+        return load_rows(clients, server, "m", args, [0, *args.rates], "memfit", seed=100)
     finally:
         server.close()
 
@@ -335,9 +336,10 @@ def chunk_part(clients, llm, args) -> list[dict]:
     rows, default = [], llm.engine.max_step_tokens
     server = MemfitServer(llm, "m")
     try:
-        for budget in args.chunk_tokens:
+        for i, budget in enumerate(args.chunk_tokens):
             llm.engine.max_step_tokens = budget
-            (row,) = load_rows(clients, server, "m", args, [float("inf")], f"budget {budget}")
+            label, inf = f"budget {budget}", [float("inf")]
+            (row,) = load_rows(clients, server, "m", args, inf, label, seed=200 + i)
             rows.append(row | {"max_step_tokens": budget})
     finally:
         llm.engine.max_step_tokens = default
@@ -345,18 +347,20 @@ def chunk_part(clients, llm, args) -> list[dict]:
     return rows
 
 
-def switch_part(clients, llm, args) -> list[dict]:
-    """The all-at-once load at several interpreter switch intervals (AsyncEngine's
-    switch_interval): how long the engine thread may wait for the lock a busy HTTP thread holds."""
-    rows = []
-    for interval in args.switch_intervals:
-        server = MemfitServer(llm, "m", switch_interval=interval)
-        try:
-            (row,) = load_rows(clients, server, "m", args, [float("inf")], f"switch {interval}")
-        finally:
-            server.close()
-        rows.append(row | {"switch_interval": interval})
-    return rows
+def offline_part(clients, llm, args) -> dict:
+    """The all-at-once load's work (fresh prompts of the same lengths) through the offline API
+    in this process, without HTTP: what the server's engine could do alone."""
+    vocab = PRESETS[args.model].vocab_size
+    batch = prompts(args.requests, args.prompt_low, args.prompt_high, vocab, seed=300)
+    ids = [llm.encode(p) for p in batch]
+    params = SamplingParams(max_tokens=args.new_tokens)  # (the checkpoint has no EOS token)
+    start = time.perf_counter()
+    outputs = llm.generate(ids, params, progress=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"offline LLM.generate: {tokens / seconds:,.0f} tokens/s", flush=True)
+    return {"requests": len(ids), "output_tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds}  # fmt: skip
 
 
 def prefix_part(clients, llm, args) -> list[dict]:
@@ -416,7 +420,9 @@ def peer_part(clients, checkpoint, args) -> dict:
     server = PeerServer(checkpoint, args.device)
     try:  # the first requests start its continuous-batching worker: not timed
         warm_up(clients, server.url, str(checkpoint), args)
-        rows = load_rows(clients, server, str(checkpoint), args, args.peer_rates, "transformers")
+        rows = load_rows(
+            clients, server, str(checkpoint), args, args.peer_rates, "transformers", seed=100
+        )
     finally:
         server.close()
     return {"transformers": transformers.__version__, "server": "transformers serve "
@@ -428,16 +434,13 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--parts", nargs="+", default=["peer", "rates", "chunk", "switch", "prefix", "n"]
+        "--parts", nargs="+", default=["peer", "rates", "chunk", "offline", "prefix", "n"]
     )
     parser.add_argument(
         "--rates", nargs="+", type=float, default=[16, 32, 64, 128, 256, float("inf")]
     )
     parser.add_argument("--peer-rates", nargs="+", type=float, default=[float("inf")])
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[256, 512])
-    parser.add_argument(
-        "--switch-intervals", nargs="+", type=float, default=[0.005, 0.0005, 0.0001]
-    )
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--unloaded-requests", type=int, default=8)
     parser.add_argument("--prompt-low", type=int, default=64)
@@ -466,7 +469,7 @@ def main() -> None:
     server = MemfitServer(llm, "m")  # the first requests compile kernels: not timed
     warm_up(clients, server.url, "m", args)
     server.close()
-    for part in ("rates", "chunk", "switch", "prefix", "n"):
+    for part in ("rates", "chunk", "offline", "prefix", "n"):
         if part in args.parts:
             run[part] = globals()[f"{part}_part"](clients, llm, args)
             if args.out is not None:  # what a run cut short had measured

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -129,18 +128,11 @@ class AsyncEngine:
         *,
         max_waiting: int = 256,
         log_interval: float = 10.0,
-        switch_interval: float | None = 0.0001,
     ) -> None:
         """llm: the loaded model, cache and engine. max_waiting: requests that may wait for a
         slot before new ones are refused. Tokens are handed out after every step, pipelined
-        ones too; a request that arrives ends a pipelined run so that it joins at once.
-        switch_interval: the interpreter's thread switch interval while the engine runs
-        (sys.setswitchinterval; None leaves it): the engine thread gives up the interpreter
-        lock at each wait for the GPU and, at Python's default of 5 ms, may wait that long to
-        get it back from a busy HTTP thread, every time (BENCHMARKS.md, memfit serve)."""
+        ones too; a request that arrives ends a pipelined run so that it joins at once."""
         self.llm, self.engine = llm, llm.engine
-        self.switch_interval = switch_interval
-        self._previous_interval = sys.getswitchinterval()
         self.max_waiting = max_waiting
         self.log_interval = log_interval
         self.metrics = Metrics()
@@ -162,8 +154,6 @@ class AsyncEngine:
         if self.engine.on_step is not None:
             raise RuntimeError("this engine is already served (one AsyncEngine at a time)")
         self.engine.on_step = self._on_step
-        if self.switch_interval is not None:
-            sys.setswitchinterval(self.switch_interval)
         self._thread.start()
 
     def stop(self) -> None:
@@ -172,8 +162,6 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         if self.engine.on_step == self._on_step:
             self.engine.on_step = None
-            if self.switch_interval is not None:
-                sys.setswitchinterval(self._previous_interval)
 
     @property
     def healthy(self) -> bool:
