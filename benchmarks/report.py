@@ -758,6 +758,10 @@ def serve_table(run: dict) -> str:
         row("`memfit serve`", r, f", prefill budget {r['max_step_tokens']}")
         for r in run.get("chunk", [])
     ]
+    lines += [
+        row("`memfit serve`", r, f", stream interval {r['stream_interval']}")
+        for r in run.get("interval", [])
+    ]
     if "offline" in run:
         o = run["offline"]
         lines.append(

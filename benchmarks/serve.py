@@ -13,6 +13,7 @@ Parts (--parts):
 - chunk: the all-at-once load again with a prefill budget of --chunk-tokens tokens per step
   (chunked prefill: a long prompt is computed in pieces between the running decodes): the ITL
   that the running streams see against the throughput.
+- interval: the all-at-once load with tokens streamed --stream-intervals at a time.
 - offline: the all-at-once load's work through `LLM.generate` in this process (no HTTP).
 - prefix: --requests requests behind one shared 1,024-token system prompt (and 64 tokens of
   their own), all at once, with prefix caching on and off: peak KV blocks, mean TTFT,
@@ -347,6 +348,21 @@ def chunk_part(clients, llm, args) -> list[dict]:
     return rows
 
 
+def interval_part(clients, llm, args) -> list[dict]:
+    """The all-at-once load with tokens streamed --stream-intervals at a time (`memfit serve
+    --stream-interval`): what the host's work for each event costs."""
+    rows = []
+    for i, interval in enumerate(args.stream_intervals):
+        server = MemfitServer(llm, "m", stream_interval=interval)
+        try:
+            label, inf = f"stream interval {interval}", [float("inf")]
+            (row,) = load_rows(clients, server, "m", args, inf, label, seed=400 + i)
+        finally:
+            server.close()
+        rows.append(row | {"stream_interval": interval})
+    return rows
+
+
 def offline_part(clients, llm, args) -> dict:
     """The all-at-once load's work (fresh prompts of the same lengths) through the offline API
     in this process, without HTTP: what the server's engine could do alone."""
@@ -434,13 +450,16 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--parts", nargs="+", default=["peer", "rates", "chunk", "offline", "prefix", "n"]
+        "--parts",
+        nargs="+",
+        default=["peer", "rates", "chunk", "interval", "offline", "prefix", "n"],
     )
     parser.add_argument(
         "--rates", nargs="+", type=float, default=[16, 32, 64, 128, 256, float("inf")]
     )
     parser.add_argument("--peer-rates", nargs="+", type=float, default=[float("inf")])
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[256, 512])
+    parser.add_argument("--stream-intervals", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--unloaded-requests", type=int, default=8)
     parser.add_argument("--prompt-low", type=int, default=64)
@@ -469,7 +488,7 @@ def main() -> None:
     server = MemfitServer(llm, "m")  # the first requests compile kernels: not timed
     warm_up(clients, server.url, "m", args)
     server.close()
-    for part in ("rates", "chunk", "offline", "prefix", "n"):
+    for part in ("rates", "chunk", "interval", "offline", "prefix", "n"):
         if part in args.parts:
             run[part] = globals()[f"{part}_part"](clients, llm, args)
             if args.out is not None:  # what a run cut short had measured

@@ -166,6 +166,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--max-waiting", type=int, default=256, help="queued requests before new ones get 429"
     )
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="stream a request's tokens once this many have come (fewer events under load)",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="compute every prompt in full (default: reuse the KV blocks of cached prefixes)",

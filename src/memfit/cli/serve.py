@@ -36,7 +36,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         name, device, cache.pool.num_blocks, cache.block_size,
         cache.pool.num_blocks * cache.block_size, llm.engine.max_context, args.host, args.port,
     )  # fmt: skip
-    engine = AsyncEngine(llm, max_waiting=args.max_waiting)
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting, stream_interval=args.stream_interval)
     engine.start()
     try:
         uvicorn.run(build_app(engine, model_name=name), host=args.host, port=args.port)

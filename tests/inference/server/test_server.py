@@ -253,6 +253,28 @@ def test_a_full_queue_answers_429(checkpoint, device):
         server.close()
 
 
+def test_a_stream_interval_sends_tokens_in_groups(checkpoint, device, reference):
+    """stream_interval=4: the first token at once, then events of at least 4 tokens (the last
+    may hold fewer); the same tokens as the offline engine."""
+    llm = LLM(checkpoint, block_size=4, **DEVICES[device])
+    server = Server(llm, stream_interval=4)
+    try:
+        body = {"model": "tiny", "prompt": "w5 w9", "max_tokens": 11, "temperature": 0,
+                "stream": True, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        groups = [len(e["choices"][0]["token_ids"]) for e in events]
+        want = offline(reference, reference.encode("w5 w9"),
+                       SamplingParams(max_tokens=11, ignore_eos=True))  # fmt: skip
+        assert [t for e in events for t in e["choices"][0]["token_ids"]] == want.token_ids
+        assert groups[0] == 1 and all(g >= 4 for g in groups[1:-1]) and sum(groups) == 11
+        assert len(groups) <= 4
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncEngine(llm, stream_interval=0)
+
+
 def test_a_shared_prefix_is_computed_once(server, reference):
     """Two requests behind one 14-token prefix: the same tokens as each alone, and the second
     finds the first's 3 full blocks (12 tokens, block size 4) in the prefix cache."""

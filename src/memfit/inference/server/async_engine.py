@@ -128,11 +128,18 @@ class AsyncEngine:
         *,
         max_waiting: int = 256,
         log_interval: float = 10.0,
+        stream_interval: int = 1,
     ) -> None:
         """llm: the loaded model, cache and engine. max_waiting: requests that may wait for a
         slot before new ones are refused. Tokens are handed out after every step, pipelined
-        ones too; a request that arrives ends a pipelined run so that it joins at once."""
+        ones too; a request that arrives ends a pipelined run so that it joins at once.
+        stream_interval: a stream's tokens go out once this many have come (the first token and
+        the last ones at once; vLLM's --stream-interval): fewer events, less host work a token,
+        burstier streams."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.llm, self.engine = llm, llm.engine
+        self.stream_interval = stream_interval
         self.max_waiting = max_waiting
         self.log_interval = log_interval
         self.metrics = Metrics()
@@ -263,6 +270,9 @@ class AsyncEngine:
         itl = self.metrics.itl
         for sink in list(self._sinks.values()):
             request = self.engine.requests[sink.request_id]
+            waiting = len(request.output) - sink.sent
+            if 0 < sink.sent and waiting < self.stream_interval and not request.finished:
+                continue  # (the first token goes out at once)
             new = request.output[sink.sent :]
             if new:
                 if sink.last_token is None:
