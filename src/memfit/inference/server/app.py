@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -160,6 +161,8 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
         except ValueError as error:
             raise ServerError(400, str(error), "invalid_request_error", "prompt") from None
 
+    respond = partial(_respond, model=model_name, engine=engine)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompts = body.prompt
@@ -169,16 +172,8 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
             raise ServerError(400, "prompt is empty", "invalid_request_error", "prompt")
         samples = sampling(body, body.max_tokens, body.logprobs is not None)
         jobs = [(encode(p), s) for p in prompts for s in samples]
-        return await _respond(
-            request,
-            jobs,
-            len(samples),
-            body.stream,
-            chat=False,
-            model=model_name,
-            engine=engine,
-            token_ids=body.return_token_ids,
-        )
+        return await respond(request, jobs, len(samples), body.stream, chat=False,
+                             token_ids=body.return_token_ids)  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -195,16 +190,8 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
         prompt = tokenizer.encode(text)
         samples = sampling(body, body.max_completion_tokens or body.max_tokens, body.logprobs)
         jobs = [(prompt, s) for s in samples]
-        return await _respond(
-            request,
-            jobs,
-            len(samples),
-            body.stream,
-            chat=True,
-            model=model_name,
-            engine=engine,
-            token_ids=body.return_token_ids,
-        )
+        return await respond(request, jobs, len(samples), body.stream, chat=True,
+                             token_ids=body.return_token_ids)  # fmt: skip
 
     return app
 

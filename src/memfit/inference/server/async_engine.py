@@ -257,6 +257,7 @@ class AsyncEngine:
                 if sink.request_id is not None and sink.request_id in self._sinks:
                     self.engine.abort(sink.request_id)
                     self._finish(sink)
+                    self._update_gauges()
 
     def _on_step(self) -> bool:
         """After each step: its tokens go out; a pipelined run stops when messages wait."""
@@ -289,7 +290,7 @@ class AsyncEngine:
                 pushes.append(
                     (sink, Update(new, logprobs, True, request.finish_reason, request.text))
                 )
-                self._finish(sink, gauges=False)
+                self._finish(sink)
             elif new:
                 pushes.append((sink, Update(new, logprobs)))
         if count:
@@ -306,13 +307,11 @@ class AsyncEngine:
         for loop, batch in loops.items():
             loop.call_soon_threadsafe(_dispatch, batch)
 
-    def _finish(self, sink: _Sink, gauges: bool = True) -> None:
+    def _finish(self, sink: _Sink) -> None:
         request = self.engine.requests[sink.request_id]
         self.metrics.finished.labels(request.finish_reason).inc()
         del self._sinks[sink.request_id]
         self.engine.forget(sink.request_id)
-        if gauges:
-            self._update_gauges()
 
     def _update_gauges(self) -> None:
         engine, metrics = self.engine, self.metrics
