@@ -154,9 +154,11 @@ def test_train_auto_without_a_known_gpu_says_so(capsys):
     assert "--auto plans for the present GPU" in capsys.readouterr().err
 
 
-def test_serve_answers_over_http(monkeypatch):
-    """`memfit serve tiny`: the parsed flags reach the LLM and the engine, and the app it hands
-    to uvicorn answers (uvicorn.run replaced by a client of the app)."""
+@pytest.mark.parametrize("where", [[], ["--engine-in-thread"]])
+def test_serve_answers_over_http(monkeypatch, where):
+    """`memfit serve tiny`: the parsed flags reach the LLM and the engine (in a process of its
+    own, or a thread), and the app it hands to uvicorn answers (uvicorn.run replaced by a
+    client of the app)."""
     uvicorn = pytest.importorskip("uvicorn")
     from fastapi.testclient import TestClient
 
@@ -167,10 +169,12 @@ def test_serve_answers_over_http(monkeypatch):
         answers["health"] = client.get("/health").text
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "return_token_ids": True}
         answers["tokens"] = client.post("/v1/completions", json=body).json()["choices"][0]
+        answers["context"] = client.get("/v1/models").json()["data"][0]["max_model_len"]
         answers["where"] = (host, port)
 
     monkeypatch.setattr(uvicorn, "run", run)
-    args = ["serve", "tiny", "--device", "cpu", "--port", "9001", "--max-model-len", "64"]
+    args = ["serve", "tiny", "--device", "cpu", "--port", "9001", "--max-model-len", "64",
+            "--max-step-tokens", "16", *where]  # fmt: skip
     assert main(args) == 0
     assert answers["health"] == "ok" and answers["where"] == ("127.0.0.1", 9001)
-    assert len(answers["tokens"]["token_ids"]) == 3
+    assert len(answers["tokens"]["token_ids"]) == 3 and answers["context"] == 64

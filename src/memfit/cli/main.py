@@ -176,6 +176,21 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="compute every prompt in full (default: reuse the KV blocks of cached prefixes)",
     )
+    p.add_argument(
+        "--max-step-tokens",
+        "--max-num-batched-tokens",
+        dest="max_step_tokens",
+        type=int,
+        default=2048,
+        help="tokens a step may hold (decodes plus prefill chunks): a longer prompt is computed in "
+        "chunks between the running decodes",
+    )
+    p.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="step the engine in a thread of the server's process (default: a process of its "
+        "own, so that the HTTP side and the engine never wait for each other's Python)",
+    )
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=_cmd_serve)
 

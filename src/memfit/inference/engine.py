@@ -37,6 +37,47 @@ from memfit.inference.sampling import Sampler, StopStringChecker
 from memfit.inference.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a request must stay within to run on an engine: checked before it joins, so that no
+    request can fail inside a step shared with others (a token id outside the vocabulary would
+    stop the GPU for all of them). Plain numbers, so a server's HTTP process checks requests
+    without the engine (which may live in another process)."""
+
+    vocab_size: int
+    max_context: int
+    num_blocks: int
+    block_size: int
+    stop_strings: bool
+    """Whether the engine can decode text (stop strings need it)."""
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        vocab = self.vocab_size
+        # (C-speed scans: a server checks every prompt of thousands of tokens in its event loop)
+        if not (set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab):
+            bad = next(t for t in prompt if not (type(t) is int and 0 <= t < vocab))
+            raise ValueError(
+                f"prompt token {bad!r} is not a token id of this model (0..{vocab - 1})"
+            )
+        longest = len(prompt) + params.max_tokens
+        capacity = self.num_blocks * self.block_size
+        if longest > capacity:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {longest} "
+                f"tokens exceeds the KV pool's {capacity} ({self.num_blocks} blocks "
+                f"of {self.block_size})"
+            )
+        if longest > self.max_context:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {longest} "
+                f"tokens exceeds the engine's max_seq_len of {self.max_context}"
+            )
+        if params.stop and not self.stop_strings:
+            raise ValueError("stop strings need a tokenizer: this engine was given no decode")
+
+
 @dataclass(eq=False)  # compared by identity: the scheduler looks requests up in lists
 class Request:
     id: int
@@ -140,34 +181,17 @@ class Engine:
         self.waiting.append(request)
         return request.id
 
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            vocab_size=self.model.config.vocab_size, max_context=self.max_context,
+            num_blocks=self.cache.pool.num_blocks, block_size=self.cache.block_size,
+            stop_strings=self.decode is not None,
+        )  # fmt: skip
+
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """ValueError, with the numbers, for a request this engine could never run: checked
-        before it joins, so that no request can fail inside a step shared with others (a token
-        id outside the vocabulary would stop the GPU for all of them)."""
-        if not prompt:
-            raise ValueError("a prompt needs at least one token")
-        vocab = self.model.config.vocab_size
-        # (C-speed scans: a server checks every prompt of thousands of tokens in its event loop)
-        if not (set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab):
-            bad = next(t for t in prompt if not (type(t) is int and 0 <= t < vocab))
-            raise ValueError(
-                f"prompt token {bad!r} is not a token id of this model (0..{vocab - 1})"
-            )
-        longest = len(prompt) + params.max_tokens
-        capacity = self.cache.pool.num_blocks * self.cache.block_size
-        if longest > capacity:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {longest} "
-                f"tokens exceeds the KV pool's {capacity} ({self.cache.pool.num_blocks} blocks "
-                f"of {self.cache.block_size})"
-            )
-        if longest > self.max_context:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {longest} "
-                f"tokens exceeds the engine's max_seq_len of {self.max_context}"
-            )
-        if params.stop and self.decode is None:
-            raise ValueError("stop strings need a tokenizer: this engine was given no decode")
+        """ValueError, with the numbers, for a request this engine could never run (`Limits`)."""
+        self.limits.check(prompt, params)
 
     # -- scheduling -----------------------------------------------------------------------------
 

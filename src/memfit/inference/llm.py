@@ -73,7 +73,37 @@ def _load(model: str | os.PathLike, device: torch.device, dtype: torch.dtype, se
     return loaded.eval(), info
 
 
-class LLM:
+class Texts:
+    """A model's text side: its tokenizer and checkpoint info (chat template, stop tokens), prompt
+    text to token ids and output tokens back to text. An `LLM` is one; the HTTP process of
+    `memfit serve` holds one without the model, which lives in the engine's process."""
+
+    def __init__(self, tokenizer, info) -> None:
+        self.tokenizer, self.info = tokenizer, info
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "this model has no tokenizer (a preset with random weights): give prompts as "
+                    "lists of token ids"
+                )
+            ids = self.tokenizer.encode(prompt)
+            if not ids:  # an empty prompt starts a fresh document
+                start = self.tokenizer.bos_id
+                ids = [start if start is not None else self.tokenizer.eos_id]
+            return ids
+        return list(prompt)
+
+    def continuation(self, prompt: list[int], output: list[int]) -> str:
+        """The output's text as it continues the prompt: decoded after the prompt's last tokens
+        and cut after their text, so a leading space or a character split across the boundary
+        comes out as the stop-string checker (memfit.inference.sampling) makes it."""
+        context = prompt[-4:]
+        return self.tokenizer.decode(context + output)[len(self.tokenizer.decode(context)) :]
+
+
+class LLM(Texts):
     def __init__(
         self,
         model: str | os.PathLike,
@@ -105,9 +135,9 @@ class LLM:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         torch_dtype = _DTYPES[dtype]
-        self.model, self.info = _load(model, self.device, torch_dtype, seed)
+        self.model, info = _load(model, self.device, torch_dtype, seed)
+        super().__init__(getattr(info, "tokenizer", None), info)
         self.config = self.model.config
-        self.tokenizer = getattr(self.info, "tokenizer", None)
         self.block_size = block_size
         max_seq_len = max_seq_len or self.config.max_seq_len
         graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -175,20 +205,6 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------------
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "this model has no tokenizer (a preset with random weights): give prompts as "
-                    "lists of token ids"
-                )
-            ids = self.tokenizer.encode(prompt)
-            if not ids:  # an empty prompt starts a fresh document
-                start = self.tokenizer.bos_id
-                ids = [start if start is not None else self.tokenizer.eos_id]
-            return ids
-        return list(prompt)
-
     def generate(
         self,
         prompts: str | list[int] | list[str] | list[list[int]],
@@ -253,13 +269,6 @@ class LLM:
             "kv_waste_mean": sum(waste) / len(waste) if waste else 0.0,
         }  # fmt: skip
         return outputs
-
-    def continuation(self, prompt: list[int], output: list[int]) -> str:
-        """The output's text as it continues the prompt: decoded after the prompt's last tokens
-        and cut after their text, so a leading space or a character split across the boundary
-        comes out as the stop-string checker (memfit.inference.sampling) makes it."""
-        context = prompt[-4:]
-        return self.tokenizer.decode(context + output)[len(self.tokenizer.decode(context)) :]
 
     def _run_with_progress(self, request_ids: list[int]) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

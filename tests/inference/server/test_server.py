@@ -1,22 +1,20 @@
 """`memfit serve` over real HTTP on localhost (uvicorn in a thread), a tiny checkpoint saved by
 transformers with a tokenizer and a chat template: httpx and the `openai` client as users call
-it. Streamed and non-streamed outputs equal the offline engine's; concurrent streams all
-finish; a client that disconnects frees its blocks; bad requests get OpenAI-style 400s and the
-server keeps serving; a full queue answers 429."""
+it, with the engine in a process of its own (as `memfit serve` runs it) and in a thread.
+Streamed and non-streamed outputs equal the offline engine's; concurrent streams all finish; a
+client that disconnects frees its blocks; bad requests get OpenAI-style 400s and the server
+keeps serving; a full queue answers 429; an engine process that dies turns /health to 503."""
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from memfit.inference import LLM, SamplingParams
-from memfit.inference.server import AsyncEngine, build_app
+from memfit.inference.server import AsyncEngine, BackgroundServer
 from tests.inference.test_llm import _write_tokenizer
 from tests.models.test_loading import _save_transformers_model
 
@@ -32,33 +30,30 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-class Server:
-    def __init__(self, llm, **engine_options):
-        self.engine = AsyncEngine(llm, **engine_options)
-        self.engine.start()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config = uvicorn.Config(
-            build_app(self.engine, model_name="tiny"), port=self.port, log_level="warning"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.engine.stop()
+class Server(BackgroundServer):
+    def __init__(self, engine: AsyncEngine):
+        super().__init__(engine, model_name="tiny")
 
     def metric(self, name: str) -> float:
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(f"{name} not in {httpx.get(f'{self.url}/metrics').text}")
+
+    def slow_steps(self, monkeypatch) -> None:
+        """5 ms a step (an engine process is slowed from its start: `_slow_steps`)."""
+        if self.engine.llm is not None:
+            engine = self.engine.llm.engine
+            monkeypatch.setattr(engine, "on_step", _slowed(engine.on_step))
+
+
+def _slowed(on_step):
+    """5 ms a step: a request of hundreds of tokens outlasts the client that leaves it."""
+    return lambda: time.sleep(0.005) or on_step()
+
+
+def _slow_steps(llm) -> None:  # (in the engine process)
+    llm.engine.on_step = _slowed(llm.engine.on_step)
 
 
 DEVICES = {
@@ -80,14 +75,14 @@ def device(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoint, device):
-    return LLM(checkpoint, block_size=4, prefix_caching=True, **DEVICES[device])
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    server = Server(llm)
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(request, checkpoint, device):
+    options = {"block_size": 4, "prefix_caching": True, **DEVICES[device]}
+    if request.param == "process":
+        engine = AsyncEngine.spawn(str(checkpoint), on_load=_slow_steps, **options)
+    else:
+        engine = AsyncEngine(LLM(checkpoint, **options))
+    server = Server(engine)
     yield server
     server.close()
 
@@ -186,15 +181,9 @@ def test_concurrent_streams_all_finish(server):
     assert server.metric("memfit_kv_blocks_used") == 0
 
 
-def _slowed(monkeypatch, llm) -> None:
-    """5 ms a step: a request of hundreds of tokens outlasts the client that leaves it."""
-    step = llm.engine.on_step
-    monkeypatch.setattr(llm.engine, "on_step", lambda: time.sleep(0.005) or step())
-
-
-def test_a_client_that_disconnects_frees_its_blocks(server, llm, monkeypatch):
-    _slowed(monkeypatch, llm)
-    longest = llm.engine.max_context - 3
+def test_a_client_that_disconnects_frees_its_blocks(server, monkeypatch):
+    server.slow_steps(monkeypatch)
+    longest = server.engine.max_context - 3
     aborted = 'memfit_requests_finished_total{finish_reason="abort"}'
     aborts = server.metric(aborted) if "abort" in httpx.get(f"{server.url}/metrics").text else 0
     generated = server.metric("memfit_generated_tokens_total")
@@ -241,7 +230,7 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, body, messa
 
 def test_a_full_queue_answers_429(checkpoint, device):
     llm = LLM(checkpoint, block_size=4, **DEVICES[device])
-    server = Server(llm, max_waiting=0)
+    server = Server(AsyncEngine(llm, max_waiting=0))
     try:
         with pytest.raises(RuntimeError, match="already served"):  # one engine thread an engine
             AsyncEngine(llm).start()
@@ -257,7 +246,7 @@ def test_a_stream_interval_sends_tokens_in_groups(checkpoint, device, reference)
     """stream_interval=4: the first token at once, then events of at least 4 tokens (the last
     may hold fewer); the same tokens as the offline engine."""
     llm = LLM(checkpoint, block_size=4, **DEVICES[device])
-    server = Server(llm, stream_interval=4)
+    server = Server(AsyncEngine(llm, stream_interval=4))
     try:
         body = {"model": "tiny", "prompt": "w5 w9", "max_tokens": 11, "temperature": 0,
                 "stream": True, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
@@ -303,9 +292,9 @@ def test_n_samples_share_the_prompt_blocks(server, reference):
     assert server.metric("memfit_prefix_cache_hit_tokens") - hits >= 36
 
 
-def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, llm, monkeypatch):
-    _slowed(monkeypatch, llm)
-    longest = llm.engine.max_context - 3
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, monkeypatch):
+    server.slow_steps(monkeypatch)
+    longest = server.engine.max_context - 3
     aborted = 'memfit_requests_finished_total{finish_reason="abort"}'
     aborts = server.metric(aborted) if "abort" in httpx.get(f"{server.url}/metrics").text else 0
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": longest, "ignore_eos": True,
@@ -317,3 +306,24 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, llm, monk
         time.sleep(0.05)
     assert server.metric("memfit_kv_blocks_used") == 0
     assert server.metric(aborted) == aborts + 16
+
+
+def test_an_engine_process_that_cannot_load_says_why(tmp_path):
+    with pytest.raises(RuntimeError, match="could not start: FileNotFoundError: no checkpoint"):
+        AsyncEngine.spawn(str(tmp_path / "missing"), device="cpu")
+
+
+def test_an_engine_process_that_dies_turns_health_to_503(checkpoint):
+    server = Server(AsyncEngine.spawn(str(checkpoint), block_size=4, device="cpu", dtype="fp32"))
+    try:
+        body = {"model": "tiny", "prompt": "w5", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+        server.engine._process.kill()
+        deadline = time.time() + 30
+        while httpx.get(f"{server.url}/health").status_code == 200 and time.time() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        response = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert response.status_code == 503 and "stopped" in response.json()["error"]["message"]
+    finally:
+        server.close()

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from memfit.inference.llm import Texts
 from memfit.inference.sampling_params import SamplingParams
 from memfit.inference.server.async_engine import AsyncEngine, QueueFull, Update
 from memfit.inference.server.chat import render_chat
@@ -94,10 +95,10 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
 
 def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
     """The API over a started `AsyncEngine`; `model_name` is the id clients ask for."""
-    llm = engine.llm
-    tokenizer = llm.tokenizer
-    eos = tuple(llm.info.generation.eos_token_ids) if llm.info is not None else ()
-    chat_template = getattr(llm.info, "chat_template", None)
+    texts = engine.texts
+    tokenizer = texts.tokenizer
+    eos = tuple(texts.info.generation.eos_token_ids) if texts.info is not None else ()
+    chat_template = getattr(texts.info, "chat_template", None)
     created = int(time.time())
     app = FastAPI(title="memfit", version="0.1.0")
 
@@ -121,7 +122,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "memfit"}
-        card["max_model_len"] = engine.engine.max_context
+        card["max_model_len"] = engine.max_context
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -157,7 +158,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
 
     def encode(prompt: str | list[int]) -> list[int]:
         try:
-            return llm.encode(prompt)
+            return texts.encode(prompt)
         except ValueError as error:
             raise ServerError(400, str(error), "invalid_request_error", "prompt") from None
 
@@ -205,8 +206,8 @@ class _Text:
     context: a leading space, a character split across tokens), so that a long answer costs no
     more a token than a short one; the final text is decoded whole."""
 
-    def __init__(self, llm, prompt: list[int], params: SamplingParams) -> None:
-        self.llm, self.prompt = llm, prompt
+    def __init__(self, texts: Texts, prompt: list[int], params: SamplingParams) -> None:
+        self.texts, self.prompt = texts, prompt
         self.tokens: list[int] = []
         self.text = ""  # decoded so far
         self.sent = ""  # of it, what went out (a possible stop string's start is held back)
@@ -216,14 +217,14 @@ class _Text:
 
     def add(self, update: Update) -> str:
         self.tokens += update.token_ids
-        if self.llm.tokenizer is None:
+        if self.texts.tokenizer is None:
             return ""
         if update.finished:
             text = update.text if update.text is not None else self._decode()
             new, self.sent = text[len(self.sent) :], text
             return new
         self._window += update.token_ids
-        decode = self.llm.tokenizer.decode
+        decode = self.texts.tokenizer.decode
         before, after = decode(self._window[: self._read]), decode(self._window)
         if len(after) > len(before) and not after.endswith("\ufffd"):  # no bytes still to come
             self.text += after[len(before) :]
@@ -236,10 +237,10 @@ class _Text:
         return new
 
     def _decode(self) -> str:
-        return self.llm.continuation(self.prompt, self.tokens)
+        return self.texts.continuation(self.prompt, self.tokens)
 
     def token_text(self, token: int) -> str:
-        tokenizer = self.llm.tokenizer
+        tokenizer = self.texts.tokenizer
         return tokenizer.decode([token]) if tokenizer is not None else str(token)
 
 
@@ -247,7 +248,7 @@ async def _respond(
     request: Request, jobs, n: int, stream: bool, *, chat: bool, model: str, engine, token_ids
 ):
     """Run every job (prompt, params) at once; `n` choices per prompt, in order."""
-    context = engine.engine.max_context
+    context = engine.max_context
     jobs = [
         (p, replace(s, max_tokens=max(context - len(p), 1)) if s.max_tokens == OPEN_ENDED else s)
         for p, s in jobs
@@ -263,7 +264,7 @@ async def _respond(
         raise ServerError(503, "the engine has stopped", "server_error")
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    texts = [_Text(engine.llm, prompt, params) for prompt, params in jobs]
+    texts = [_Text(engine.texts, prompt, params) for prompt, params in jobs]
     # the n samples of each prompt share its KV blocks
     updates = _merged(
         [engine.generate(p, params, group=(ident, i // n)) for i, (p, params) in enumerate(jobs)]

@@ -1,33 +1,39 @@
-"""The engine behind the HTTP server: one thread steps the (single-threaded) `Engine` while
-requests arrive and leave from the server's event loop.
+"""The HTTP side of the engine: requests go to an `EngineCore` (memfit.inference.server.core)
+that steps the engine, in a process of its own or in a thread, and their tokens come back to
+the handlers that wait for them on the server's event loop.
 
-    engine = AsyncEngine(llm, max_waiting=256)
+    engine = AsyncEngine.spawn("path/to/checkpoint", max_waiting=256)   # the engine process
+    engine = AsyncEngine(llm)                                           # or a thread, in-process
     engine.start()
     async for update in engine.generate(prompt_ids, params):   # in a request handler
         ...                                                     # new tokens, then the finish
 
-The event loop never touches the engine: it posts ("add", ...) and ("abort", ...) to an inbox
-that the engine thread drains between steps, and the engine thread hands each request's new
-tokens back with `loop.call_soon_threadsafe`. A handler that stops listening (its client went
-away) aborts its request, which frees its blocks at the next step boundary. At most
-`max_waiting` requests may wait for a slot; past that `generate` raises QueueFull (the server
-answers 429) instead of letting the queue grow without bound.
+The event loop never waits on the engine: it posts ("add", ...) and ("abort", ...) messages,
+which the engine takes between steps, and a receiving thread hands each step's tokens to the
+loop in one `call_soon_threadsafe`. A handler that stops listening (its client went away) aborts
+its request, which frees its blocks at the next step boundary. At most `max_waiting` requests
+may wait for a slot; past that `generate` raises QueueFull (the server answers 429) instead of
+letting the queue grow without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from memfit.inference.llm import LLM
+from memfit.inference.engine import Limits
+from memfit.inference.llm import LLM, Texts
 from memfit.inference.sampling_params import SamplingParams
+from memfit.inference.server.core import EngineCore, EngineState, QueueInbox, engine_process
 
 log = logging.getLogger("memfit.serve")
 
@@ -57,9 +63,7 @@ class _Sink:
         self.loop = loop
         self.updates: list[Update | BaseException] = []  # (touched on the loop only)
         self.waiter: asyncio.Future | None = None
-        self.request_id: int | None = None
-        self.follows: _Sink | None = None  # another sample of the same prompt, added before
-        self.sent = 0
+        self.key: int | None = None
         self.added = time.perf_counter()
         self.last_token: float | None = None
 
@@ -85,7 +89,7 @@ class _Sink:
         return Update(tokens, logprobs, last.finished, last.finish_reason, last.text)
 
 
-def _dispatch(pushes: list[tuple[_Sink, Update | BaseException]]) -> None:
+def _push_all(pushes: list[tuple[_Sink, Update | BaseException]]) -> None:
     for sink, update in pushes:
         sink.push(update)
 
@@ -130,56 +134,128 @@ class AsyncEngine:
         log_interval: float = 10.0,
         stream_interval: int = 1,
     ) -> None:
-        """llm: the loaded model, cache and engine. max_waiting: requests that may wait for a
-        slot before new ones are refused. Tokens are handed out after every step, pipelined
-        ones too; a request that arrives ends a pipelined run so that it joins at once.
-        stream_interval: a stream's tokens go out once this many have come (the first token and
-        the last ones at once; vLLM's --stream-interval): fewer events, less host work a token,
-        burstier streams."""
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
-        self.llm, self.engine = llm, llm.engine
-        self.stream_interval = stream_interval
+        """The engine of `llm`, stepped by a thread of this process. max_waiting: requests that
+        may wait for a slot before new ones are refused. Tokens are handed out after every step,
+        pipelined ones too; a request that arrives ends a pipelined run so that it joins at
+        once. stream_interval: a stream's tokens go out once this many have come (the first
+        token and the last ones at once; vLLM's --stream-interval): fewer events, less host work
+        a token, burstier streams."""
+        _check_interval(stream_interval)
+        self._setup(llm, llm.engine.limits, max_waiting)
+        self.llm, self.device = llm, str(llm.device)
+        self._inbox = QueueInbox()
+        self._post = self._inbox.put
+        self._core = EngineCore(
+            llm.engine, self._receive, stream_interval=stream_interval, log_interval=log_interval
+        )
+        self._worker = threading.Thread(target=self._core.run, name="memfit-engine", daemon=True)
+        self._state = self._core.state()
+        self._update_gauges(self._state)
+        self._receiver: threading.Thread | None = None
+
+    @classmethod
+    def spawn(
+        cls,
+        model: str,
+        *,
+        max_waiting: int = 256,
+        log_interval: float = 10.0,
+        stream_interval: int = 1,
+        on_load: Callable[[LLM], None] | None = None,
+        **llm_options,
+    ) -> AsyncEngine:
+        """The engine in a process of its own: `LLM(model, **llm_options)` is built there (this
+        returns once it is loaded and warm); this process keeps only the tokenizer. on_load: a
+        picklable function called there with the LLM before it serves (instrumentation)."""
+        _check_interval(stream_interval)
+        context = multiprocessing.get_context("spawn")  # (CUDA does not survive a fork)
+        inbox, to_engine = context.Pipe(duplex=False)
+        from_engine, outbox = context.Pipe(duplex=False)
+        core_options = {"stream_interval": stream_interval, "log_interval": log_interval}
+        process = context.Process(
+            target=engine_process, name="memfit-engine", daemon=True,
+            args=(inbox, outbox, str(model), llm_options, core_options,
+                  logging.getLogger().getEffectiveLevel(), on_load),
+        )  # fmt: skip
+        process.start()
+        inbox.close(), outbox.close()  # (the child's ends: a child that dies closes the pipe)
+        try:
+            message = from_engine.recv()
+        except EOFError:
+            process.join(timeout=10)
+            raise RuntimeError(
+                f"the engine process exited (code {process.exitcode}) before it was ready"
+            ) from None
+        if message[0] == "failed":
+            process.join(timeout=10)
+            raise RuntimeError(f"the engine process could not start: {message[1]}")
+        _, ready, state = message
+        self = cls.__new__(cls)
+        self._setup(ready["texts"], ready["limits"], max_waiting)
+        self.llm, self.device = None, ready["device"]
+        self._state = state
+        self._update_gauges(state)
+        self._process, self._from_engine = process, from_engine
+        outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._post = outgoing.put
+        self._worker = threading.Thread(
+            target=_forward, args=(outgoing, to_engine), name="memfit-to-engine", daemon=True
+        )
+        self._receiver = threading.Thread(
+            target=self._receive_all, name="memfit-from-engine", daemon=True
+        )
+        return self
+
+    def _setup(self, texts: Texts, limits: Limits, max_waiting: int) -> None:
+        self.texts, self.limits = texts, limits
+        self.max_context = limits.max_context
         self.max_waiting = max_waiting
-        self.log_interval = log_interval
         self.metrics = Metrics()
-        self.metrics.kv_total.set(self.engine.cache.pool.num_blocks)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._sinks: dict[int, _Sink] = {}
+        self.metrics.kv_total.set(limits.num_blocks)
+        self._sinks: dict[int, _Sink] = {}  # by key, the requests not finished
+        self._keys = itertools.count()
         self._leaders: dict[object, _Sink] = {}  # the first sample of each group (event loop)
-        self._pending = 0  # added to the inbox, not yet running (the event loop's count)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="memfit-engine", daemon=True)
+        self._added = 0  # requests posted to the engine
+        self._stopping = False
         self.error: BaseException | None = None
-        self.generated = 0  # tokens, for the log line
 
     # -- the event loop's side --------------------------------------------------------------
 
     def start(self) -> None:
-        if self.engine.on_step is not None:
-            raise RuntimeError("this engine is already served (one AsyncEngine at a time)")
-        self.engine.on_step = self._on_step
-        self._thread.start()
+        if self._receiver is None:
+            self._core.attach(self._inbox)
+        self._worker.start()
+        if self._receiver is not None:
+            self._receiver.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=30)
-        if self.engine.on_step == self._on_step:
-            self.engine.on_step = None
+        self._stopping = True
+        self._post(("stop",))
+        self._worker.join(timeout=30)
+        if self._receiver is not None:
+            self._process.join(timeout=30)
+            if self._process.is_alive():
+                self._process.terminate()
+            self._receiver.join(timeout=10)
+
+    @property
+    def state(self) -> EngineState:
+        """The engine's gauges as of its last step (peak KV blocks among them)."""
+        return self._state
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        alive = self._worker.is_alive()
+        if self._receiver is not None:
+            alive = alive and self._process.is_alive()
+        return alive and self.error is None
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """ValueError for a request the engine could never run; QueueFull when too many wait."""
-        self.engine.check(prompt, params)  # reads only what never changes
-        with self._lock:
-            if self._pending + len(self.engine.waiting) >= self.max_waiting:
-                raise QueueFull(f"{self.max_waiting} requests are already waiting")
+        self.limits.check(prompt, params)
+        state = self._state
+        if self._added - state.taken + state.waiting >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are already waiting")
 
     async def generate(
         self, prompt: list[int], params: SamplingParams, *, group: object = None
@@ -189,15 +265,15 @@ class AsyncEngine:
         the samples of one prompt (a request's `n`): they share the prompt's KV blocks."""
         self.check(prompt, params)
         sink = _Sink(asyncio.get_running_loop())
+        key = sink.key = next(self._keys)
+        follows = None
         if group is not None:
-            sink.follows = self._leaders.setdefault(group, sink)
-            if sink.follows is sink:
-                sink.follows = None
-        with self._lock:
-            self._pending += 1
+            leader = self._leaders.setdefault(group, sink)
+            follows = leader.key if leader is not sink else None
+        self._sinks[key] = sink
+        self._added += 1
         self.metrics.prompt_tokens.inc(len(prompt))
-        self._inbox.put(("add", prompt, params, sink))
-        self._wake.set()
+        self._post(("add", key, prompt, params, follows))
         finished = False
         try:
             while not finished:
@@ -207,117 +283,89 @@ class AsyncEngine:
         finally:
             if group is not None and self._leaders.get(group) is sink:
                 del self._leaders[group]
-            if not finished:
-                self._inbox.put(("abort", sink))
-                self._wake.set()
+            if not finished and self._sinks.pop(key, None) is not None:
+                self._post(("abort", key))
+                self.metrics.finished.labels("abort").inc()
 
-    # -- the engine thread ------------------------------------------------------------------
+    # -- what the engine sends back (on the engine thread, or the receiving thread) ---------
 
-    def _loop(self) -> None:
-        engine, last_log, logged_tokens = self.engine, time.perf_counter(), 0
-        try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                if not (engine.waiting or engine.running):
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                engine.step()  # hands out tokens through _on_step
-                now = time.perf_counter()
-                if now - last_log >= self.log_interval:
-                    tokens = self.generated
-                    log.info(
-                        "running %d, waiting %d, %.0f tokens/s, KV blocks %d of %d",
-                        len(engine.running), len(engine.waiting),
-                        (tokens - logged_tokens) / (now - last_log),
-                        engine.cache.pool.num_blocks - engine.cache.pool.num_free,
-                        engine.cache.pool.num_blocks,
-                    )  # fmt: skip
-                    last_log, logged_tokens = now, tokens
-        except BaseException as error:  # every waiting handler hears of it; /health says so
-            self.error = error
-            log.exception("the engine stopped")
-            self._send([(sink, error) for sink in self._sinks.values()])
-
-    def _drain_inbox(self) -> None:
+    def _receive_all(self) -> None:
+        connection = self._from_engine
         while True:
             try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
+                message = connection.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    code = self._process.exitcode
+                    self._receive(("error", f"the engine process exited (code {code})"))
                 return
-            if message[0] == "add":
-                _, prompt, params, sink = message
-                leader = sink.follows.request_id if sink.follows is not None else None
-                sink.request_id = self.engine.add(prompt, params, follows=leader)
-                self._sinks[sink.request_id] = sink
-                with self._lock:
-                    self._pending -= 1
-            else:
-                sink = message[1]
-                if sink.request_id is not None and sink.request_id in self._sinks:
-                    self.engine.abort(sink.request_id)
-                    self._finish(sink)
-                    self._update_gauges()
+            self._receive(message)
 
-    def _on_step(self) -> bool:
-        """After each step: its tokens go out; a pipelined run stops when messages wait."""
-        self._deliver()
-        return self._stop.is_set() or not self._inbox.empty()
-
-    def _deliver(self) -> None:
-        """Each request's tokens since the last delivery, sent to the event loop in one call;
-        the finished requests leave the engine."""
-        now, pushes, count = time.perf_counter(), [], 0
-        itl = self.metrics.itl
-        for sink in list(self._sinks.values()):
-            request = self.engine.requests[sink.request_id]
-            waiting = len(request.output) - sink.sent
-            if 0 < sink.sent and waiting < self.stream_interval and not request.finished:
-                continue  # (the first token goes out at once)
-            new = request.output[sink.sent :]
-            if new:
+    def _receive(self, message: tuple) -> None:
+        if message[0] == "error":
+            self.error = RuntimeError(message[1])
+            self._dispatch([(sink, self.error) for sink in self._sinks.values()])
+            return
+        _, outputs, state = message
+        self._state = state
+        metrics, now, pushes, count = self.metrics, time.perf_counter(), [], 0
+        for key, tokens, logprobs, finished, reason, text in outputs:
+            sink = self._sinks.get(key)
+            if sink is None:
+                continue  # aborted meanwhile
+            if tokens:
                 if sink.last_token is None:
-                    self.metrics.ttft.observe(now - sink.added)
+                    metrics.ttft.observe(now - sink.added)
                 else:
-                    gap = (now - sink.last_token) / len(new)
-                    for _ in new:
-                        itl.observe(gap)
+                    gap = (now - sink.last_token) / len(tokens)
+                    for _ in tokens:
+                        metrics.itl.observe(gap)
                 sink.last_token = now
-                count += len(new)
-            logprobs = request.logprobs[sink.sent :] if request.logprobs is not None else None
-            sink.sent = len(request.output)
-            if request.finished:
-                pushes.append(
-                    (sink, Update(new, logprobs, True, request.finish_reason, request.text))
-                )
-                self._finish(sink)
-            elif new:
-                pushes.append((sink, Update(new, logprobs)))
+                count += len(tokens)
+            if finished:
+                del self._sinks[key]
+                metrics.finished.labels(reason).inc()
+            pushes.append((sink, Update(tokens, logprobs, finished, reason, text)))
         if count:
-            self.metrics.tokens.inc(count)
-            self.generated += count
-        self._send(pushes)
-        self._update_gauges()
+            metrics.tokens.inc(count)
+        self._update_gauges(state)  # (before the handlers hear of the finish)
+        self._dispatch(pushes)
 
-    def _send(self, pushes: list[tuple[_Sink, Update | BaseException]]) -> None:
+    def _dispatch(self, pushes: list[tuple[_Sink, Update | BaseException]]) -> None:
         """One wake-up of each event loop for all its sinks' updates."""
         loops: dict[asyncio.AbstractEventLoop, list] = {}
         for sink, update in pushes:
             loops.setdefault(sink.loop, []).append((sink, update))
         for loop, batch in loops.items():
-            loop.call_soon_threadsafe(_dispatch, batch)
+            loop.call_soon_threadsafe(_push_all, batch)
 
-    def _finish(self, sink: _Sink) -> None:
-        request = self.engine.requests[sink.request_id]
-        self.metrics.finished.labels(request.finish_reason).inc()
-        del self._sinks[sink.request_id]
-        self.engine.forget(sink.request_id)
+    def _update_gauges(self, state: EngineState) -> None:
+        metrics = self.metrics
+        metrics.running.set(state.running)
+        metrics.waiting.set(state.waiting)
+        metrics.kv_used.set(state.kv_used)
+        metrics.prefix_hits.set(state.prefix_hits)
+        metrics.prefix_rate.set(state.prefix_hits / max(state.prefix_queried, 1))
 
-    def _update_gauges(self) -> None:
-        engine, metrics = self.engine, self.metrics
-        metrics.running.set(len(engine.running))
-        metrics.waiting.set(len(engine.waiting))
-        cache = engine.cache
-        metrics.kv_used.set(cache.pool.num_blocks - cache.pool.num_free)
-        metrics.prefix_hits.set(cache.prefix_hits)
-        metrics.prefix_rate.set(cache.prefix_hits / max(cache.prefix_queried, 1))
+
+def _check_interval(stream_interval: int) -> None:
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+
+
+def _forward(outgoing: queue.SimpleQueue, connection) -> None:
+    """The messages the event loop posted, to the engine process: all that wait in one send
+    (a send may block while the engine is inside a long step; the event loop never does)."""
+    while True:
+        messages = [outgoing.get()]
+        while True:
+            try:
+                messages.append(outgoing.get_nowait())
+            except queue.Empty:
+                break
+        try:
+            connection.send(messages)
+        except (BrokenPipeError, OSError):
+            return
+        if messages[-1] == ("stop",):
+            return

@@ -1,0 +1,254 @@
+"""The engine's side of the server: a loop that steps an `Engine` and, after every step, hands
+each request's new tokens to the HTTP side in one message.
+
+It runs in a process of its own (`memfit serve`'s default, as vLLM's engine core does: the
+engine's Python and the HTTP server's then never wait for each other's interpreter lock), or in
+a thread of the server's process. Either way it speaks in messages:
+
+    in   [("add", key, prompt, params, follows), ("abort", key), ("stop",)]   (lists of them)
+    out  ("step", outputs, state)  after each step, outputs [(key, tokens, logprobs, finished,
+                                   finish_reason, text)] of the requests with something new
+         ("error", message)        the engine stopped
+
+`key` is the HTTP side's name for a request; `follows` the key of an earlier sample of the same
+prompt (its blocks are shared), or None.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from memfit.inference.engine import Engine
+
+log = logging.getLogger("memfit.serve")
+
+
+class EngineState(NamedTuple):
+    """The engine's gauges after a step, and how many added requests it has taken in."""
+
+    running: int
+    waiting: int
+    kv_used: int
+    kv_total: int
+    kv_peak: int
+    """The most blocks in use at once since the engine started."""
+    prefix_hits: int
+    prefix_queried: int
+    taken: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        engine: Engine,
+        emit: Callable[[tuple], Any],
+        *,
+        stream_interval: int = 1,
+        log_interval: float = 10.0,
+    ) -> None:
+        """emit: called with each outgoing message. stream_interval: a request's tokens go out
+        once this many have come (the first at once, the last ones at the finish)."""
+        self.engine, self.emit = engine, emit
+        self.stream_interval, self.log_interval = stream_interval, log_interval
+        self.ids: dict[Any, int] = {}  # key -> engine request id, of the requests not finished
+        self.sent: dict[Any, int] = {}  # key -> tokens sent
+        self.taken = 0
+        self.stopping = False
+        self.generated = 0
+        self.inbox: Inbox | None = None
+
+    def attach(self, inbox: Inbox) -> None:
+        """Serve the engine from `inbox` (one server an engine): after each step, pipelined ones
+        too, its tokens go out, and messages that wait end a pipelined run."""
+        if self.engine.on_step is not None:
+            raise RuntimeError("this engine is already served (one server at a time)")
+        self.inbox = inbox
+        self.engine.on_step = self._on_step
+
+    def _on_step(self) -> bool:
+        self._deliver()
+        return self.stopping or self.inbox.ready()
+
+    def run(self) -> None:
+        """Step until a ("stop",) message (or the inbox closes); an exception inside the engine
+        is sent as ("error", ...) and ends the loop."""
+        engine, inbox = self.engine, self.inbox
+        last_log, logged = time.perf_counter(), 0
+        try:
+            while not self.stopping:
+                idle = not (engine.waiting or engine.running)
+                self._handle(inbox.get(timeout=0.5 if idle else 0.0))
+                if self.stopping or not (engine.waiting or engine.running):
+                    continue
+                engine.step()
+                now = time.perf_counter()
+                if now - last_log >= self.log_interval:
+                    state = self.state()
+                    log.info(
+                        "running %d, waiting %d, %.0f tokens/s, KV blocks %d of %d",
+                        state.running, state.waiting, (self.generated - logged) / (now - last_log),
+                        state.kv_used, state.kv_total,
+                    )  # fmt: skip
+                    last_log, logged = now, self.generated
+        except BaseException as error:
+            log.exception("the engine stopped")
+            self.emit(("error", f"{type(error).__name__}: {error}"))
+        finally:
+            engine.on_step = None
+
+    def state(self) -> EngineState:
+        engine, cache = self.engine, self.engine.cache
+        pool = cache.pool
+        return EngineState(
+            len(engine.running), len(engine.waiting), pool.num_blocks - pool.num_free,
+            pool.num_blocks, engine.peak_blocks, cache.prefix_hits, cache.prefix_queried,
+            self.taken,
+        )  # fmt: skip
+
+    def _handle(self, messages: list[tuple]) -> None:
+        aborted = False
+        for message in messages:
+            kind = message[0]
+            if kind == "add":
+                _, key, prompt, params, follows = message
+                leader = self.ids.get(follows) if follows is not None else None
+                self.ids[key] = self.engine.add(prompt, params, follows=leader)
+                self.sent[key] = 0
+                self.taken += 1
+            elif kind == "abort":
+                request_id = self.ids.pop(message[1], None)
+                if request_id is not None:
+                    del self.sent[message[1]]
+                    self.engine.abort(request_id)
+                    self.engine.forget(request_id)
+                    aborted = True
+            elif kind == "stop":
+                self.stopping = True
+        if aborted:  # the freed blocks show at once
+            self.emit(("step", [], self.state()))
+
+    def _deliver(self) -> None:
+        """Every request's tokens since the last delivery, in one message; finished requests
+        leave the engine."""
+        requests, sent, interval = self.engine.requests, self.sent, self.stream_interval
+        outputs, finished = [], []
+        for key, request_id in self.ids.items():
+            request = requests[request_id]
+            start = sent[key]
+            have = len(request.output)
+            if not request.finished and (have == start or (0 < start and have - start < interval)):
+                continue  # nothing new, or fewer than stream_interval (the first goes at once)
+            logprobs = request.logprobs[start:] if request.logprobs is not None else None
+            new = request.output[start:]
+            sent[key] = have
+            self.generated += len(new)
+            if request.finished:
+                outputs.append((key, new, logprobs, True, request.finish_reason, request.text))
+                finished.append(key)
+            else:
+                outputs.append((key, new, logprobs, False, "", None))
+        for key in finished:
+            self.engine.forget(self.ids.pop(key))
+            del sent[key]
+        self.emit(("step", outputs, self.state()))
+
+
+# -- inboxes: where the loop reads its messages -----------------------------------------------
+
+
+class Inbox:
+    def ready(self) -> bool:
+        """Whether messages wait (cheap: called after every step)."""
+        raise NotImplementedError
+
+    def get(self, timeout: float) -> list[tuple]:
+        """The messages that wait, after waiting up to `timeout` seconds for one."""
+        raise NotImplementedError
+
+
+class QueueInbox(Inbox):
+    """In one process: the event loop puts, the engine thread gets."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, message: tuple) -> None:
+        self.queue.put(message)
+
+    def ready(self) -> bool:
+        return not self.queue.empty()
+
+    def get(self, timeout: float) -> list[tuple]:
+        messages = []
+        try:
+            messages.append(self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait())
+            while True:
+                messages.append(self.queue.get_nowait())
+        except queue.Empty:
+            return messages
+
+
+class PipeInbox(Inbox):
+    """Across processes: lists of messages through a multiprocessing pipe. A closed pipe (the
+    server's process went away) reads as ("stop",)."""
+
+    def __init__(self, connection) -> None:
+        self.connection = connection
+
+    def ready(self) -> bool:
+        return self.connection.poll()
+
+    def get(self, timeout: float) -> list[tuple]:
+        messages: list[tuple] = []
+        try:
+            if self.connection.poll(timeout):
+                messages += self.connection.recv()
+                while self.connection.poll():
+                    messages += self.connection.recv()
+        except (EOFError, OSError):
+            messages.append(("stop",))
+        return messages
+
+
+# -- the engine process ------------------------------------------------------------------------
+
+
+def engine_process(
+    inbox, outbox, model: str, llm_options: dict, core_options: dict, log_level: int, on_load
+) -> None:
+    """The engine process's main: load the model, say what the server needs to know, then step
+    until told to stop. Ctrl-C reaches the server's process, which stops this one in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _configure_logging(log_level)
+    try:
+        from memfit.inference.llm import LLM, Texts
+
+        llm = LLM(model, **llm_options)
+        ready = {
+            "texts": Texts(llm.tokenizer, llm.info),
+            "limits": llm.engine.limits,
+            "device": str(llm.device),
+            "block_size": llm.cache.block_size,
+        }
+    except BaseException as error:  # (the server's process raises it with this text)
+        outbox.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    core = EngineCore(llm.engine, outbox.send, **core_options)
+    core.attach(PipeInbox(inbox))
+    if on_load is not None:
+        on_load(llm)
+    outbox.send(("ready", ready, core.state()))
+    core.run()
+
+
+def _configure_logging(level: int) -> None:
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False)
+    logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
