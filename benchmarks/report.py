@@ -762,11 +762,14 @@ def serve_table(run: dict) -> str:
         row("`memfit serve`", r, f", stream interval {r['stream_interval']}")
         for r in run.get("interval", [])
     ]
-    if "offline" in run:
-        o = run["offline"]
+    in_process = run.get("in_process", {})
+    if "engine_in_thread" in in_process:
+        lines.append(row("`memfit serve --engine-in-thread`", in_process["engine_in_thread"]))
+    offline = in_process.get("offline", run.get("offline"))  # (runs before the engine process)
+    if offline is not None:
         lines.append(
             f"| memfit `LLM.generate` (offline, no HTTP) | all at once | "
-            f"{o['tokens_per_s']:,.0f} | - | - |"
+            f"{offline['tokens_per_s']:,.0f} | - | - |"
         )
     if "prefix" in run:
         off, on = (next(r for r in run["prefix"] if r["prefix_caching"] == c) for c in (0, 1))

@@ -40,7 +40,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -52,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 from memfit.inference import LLM, SamplingParams  # noqa: E402
+from memfit.inference.server import AsyncEngine, BackgroundServer  # noqa: E402
 from memfit.models import PRESETS  # noqa: E402
 
 # -- the checkpoint both servers load -------------------------------------------------------------
@@ -162,7 +162,7 @@ def run_load(clients, url, model, prompts, max_tokens, rate, n=1) -> dict:
         for _ in prompts:
             ats.append(t)
             t += 0.0 if rate == float("inf") else rng.expovariate(rate)
-        ways = clients._max_workers
+        ways = clients.count
         shares = [
             clients.submit(_client, url, bodies[i::ways], ats[i::ways])
             for i in range(min(ways, len(bodies)))
@@ -188,6 +188,14 @@ def run_load(clients, url, model, prompts, max_tokens, rate, n=1) -> dict:
     }  # fmt: skip
 
 
+class Clients(ProcessPoolExecutor):
+    """The load generator's processes (spawned: no CUDA, no threads of this process)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count, mp_context=multiprocessing.get_context("spawn"))
+        self.count = count
+
+
 def _percentiles(values: list[float]) -> dict:
     ordered = sorted(values)
     at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
@@ -203,39 +211,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class MemfitServer:
-    """memfit's API on a free localhost port: the engine thread and uvicorn in this process, as
-    `memfit serve` runs them."""
+class MemfitServer(BackgroundServer):
+    """memfit's API on a free localhost port, as `memfit serve` runs it: the engine in a process
+    of its own (`llm`: an LLM of this process instead, stepped by a thread)."""
 
-    def __init__(self, llm: LLM, name: str, **options) -> None:
-        import uvicorn
-
-        from memfit.inference.server import AsyncEngine, build_app
-
-        self.engine = AsyncEngine(llm, max_waiting=100_000, **options)
-        self.engine.start()
-        port = _free_port()
-        app = build_app(self.engine, model_name=name)
-        self.server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, checkpoint: Path, args, *, llm: LLM | None = None, **options) -> None:
+        engine_options = {"max_waiting": 100_000}
+        if "stream_interval" in options:
+            engine_options["stream_interval"] = options.pop("stream_interval")
+        if llm is not None:
+            engine = AsyncEngine(llm, **engine_options)
+        else:
+            options = {"device": args.device, "max_seq_len": args.max_model_len,
+                       "prefix_caching": True, **options}  # fmt: skip
+            engine = AsyncEngine.spawn(str(checkpoint), **engine_options, **options)
+        super().__init__(engine, model_name="m")
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time so far of the engine thread and of the HTTP server's (one process: they
-        share the interpreter's lock)."""
-        threads = {"engine": self.engine._thread, "http": self.thread}
-        return {
-            name: time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            for name, thread in threads.items()
-        }
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.engine.stop()
+        """CPU time so far of the engine (its process, or its thread) and of the HTTP side (this
+        process, or uvicorn's thread)."""
+        if self.engine.llm is not None:  # one process: they share the interpreter's lock
+            threads = {"engine": self.engine._worker, "http": self.thread}
+            return {
+                name: time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                for name, thread in threads.items()
+            }
+        stat = Path(f"/proc/{self.engine._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return {"engine": (int(stat[11]) + int(stat[12])) / ticks, "http": time.process_time()}
 
 
 PEER = """
@@ -325,47 +328,43 @@ def load_rows(clients, server, model, args, rates, label, seed) -> list[dict]:
     return rows
 
 
-def rates_part(clients, llm, args) -> list[dict]:
-    server = MemfitServer(llm, "m")
-    try:
+def rates_part(clients, checkpoint, args) -> list[dict]:
+    with MemfitServer(checkpoint, args) as server:
+        warm_up(clients, server.url, "m", args)
         return load_rows(clients, server, "m", args, [0, *args.rates], "memfit", seed=100)
-    finally:
-        server.close()
 
 
-def chunk_part(clients, llm, args) -> list[dict]:
-    rows, default = [], llm.engine.max_step_tokens
-    server = MemfitServer(llm, "m")
-    try:
-        for i, budget in enumerate(args.chunk_tokens):
-            llm.engine.max_step_tokens = budget
+def chunk_part(clients, checkpoint, args) -> list[dict]:
+    """The all-at-once load with smaller prefill budgets (`memfit serve --max-step-tokens`)."""
+    rows = []
+    for i, budget in enumerate(args.chunk_tokens):
+        with MemfitServer(checkpoint, args, max_step_tokens=budget) as server:
+            warm_up(clients, server.url, "m", args)
             label, inf = f"budget {budget}", [float("inf")]
             (row,) = load_rows(clients, server, "m", args, inf, label, seed=200 + i)
-            rows.append(row | {"max_step_tokens": budget})
-    finally:
-        llm.engine.max_step_tokens = default
-        server.close()
+        rows.append(row | {"max_step_tokens": budget})
     return rows
 
 
-def interval_part(clients, llm, args) -> list[dict]:
+def interval_part(clients, checkpoint, args) -> list[dict]:
     """The all-at-once load with tokens streamed --stream-intervals at a time (`memfit serve
     --stream-interval`): what the host's work for each event costs."""
     rows = []
     for i, interval in enumerate(args.stream_intervals):
-        server = MemfitServer(llm, "m", stream_interval=interval)
-        try:
+        with MemfitServer(checkpoint, args, stream_interval=interval) as server:
+            warm_up(clients, server.url, "m", args)
             label, inf = f"stream interval {interval}", [float("inf")]
             (row,) = load_rows(clients, server, "m", args, inf, label, seed=400 + i)
-        finally:
-            server.close()
         rows.append(row | {"stream_interval": interval})
     return rows
 
 
-def offline_part(clients, llm, args) -> dict:
-    """The all-at-once load's work (fresh prompts of the same lengths) through the offline API
-    in this process, without HTTP: what the server's engine could do alone."""
+def in_process_part(clients, checkpoint, args) -> dict:
+    """In this process, once the servers above are gone: the all-at-once load's work (fresh
+    prompts of the same lengths) through `LLM.generate`, without HTTP (what the engine does
+    alone), and the all-at-once load against a server whose engine is a thread of the HTTP
+    server's process (`memfit serve --engine-in-thread`: one interpreter lock for both)."""
+    llm = LLM(checkpoint, device=args.device, max_seq_len=args.max_model_len, prefix_caching=True)
     vocab = PRESETS[args.model].vocab_size
     batch = prompts(args.requests, args.prompt_low, args.prompt_high, vocab, seed=300)
     ids = [llm.encode(p) for p in batch]
@@ -375,24 +374,25 @@ def offline_part(clients, llm, args) -> dict:
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     print(f"offline LLM.generate: {tokens / seconds:,.0f} tokens/s", flush=True)
-    return {"requests": len(ids), "output_tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds}  # fmt: skip
+    offline = {"requests": len(ids), "output_tokens": tokens, "seconds": seconds,
+               "tokens_per_s": tokens / seconds}  # fmt: skip
+    with MemfitServer(checkpoint, args, llm=llm) as server:
+        warm_up(clients, server.url, "m", args)
+        inf = [float("inf")]
+        (thread,) = load_rows(clients, server, "m", args, inf, "engine in a thread", seed=500)
+    del llm
+    return {"offline": offline, "engine_in_thread": thread}
 
 
-def prefix_part(clients, llm, args) -> list[dict]:
+def prefix_part(clients, checkpoint, args) -> list[dict]:
     vocab = PRESETS[args.model].vocab_size
     system = prompts(1, args.prefix_len, args.prefix_len, vocab, seed=2)[0] + " "
     batch = prompts(args.requests, 64, 64, vocab, seed=3, prefix=system)
     rows = []
     for caching in (False, True):
-        llm.cache.prefix_caching = caching
-        llm.engine.peak_blocks = 0
-        server = MemfitServer(llm, "m")
-        try:
+        with MemfitServer(checkpoint, args, prefix_caching=caching) as server:
             row = run_load(clients, server.url, "m", batch, args.new_tokens, float("inf"))
-        finally:
-            server.close()
-        row |= {"prefix_caching": caching, "peak_blocks": llm.engine.peak_blocks}
+            row |= {"prefix_caching": caching, "peak_blocks": server.engine.state.kv_peak}
         rows.append(row)
         print(
             f"shared {args.prefix_len}-token prefix, caching {'on' if caching else 'off'}: peak "
@@ -400,11 +400,10 @@ def prefix_part(clients, llm, args) -> list[dict]:
             f"{row['tokens_per_s']:,.0f} tokens/s",
             flush=True,
         )
-    llm.cache.prefix_caching = True
     return rows
 
 
-def n_part(clients, llm, args) -> dict:
+def n_part(clients, checkpoint, args) -> dict:
     vocab = PRESETS[args.model].vocab_size
     prompt = prompts(1, args.prefix_len, args.prefix_len, vocab, seed=4)[0]
     result = {"prompt_tokens": args.prefix_len, "new_tokens": args.new_tokens}
@@ -412,15 +411,9 @@ def n_part(clients, llm, args) -> dict:
         ("n=4", True, [prompt], 4),
         ("4 requests", False, [prompt] * 4, 1),
     ):
-        llm.cache.prefix_caching = caching
-        llm.engine.peak_blocks = 0
-        server = MemfitServer(llm, "m")
-        try:
+        with MemfitServer(checkpoint, args, prefix_caching=caching) as server:
             run_load(clients, server.url, "m", batch, args.new_tokens, float("inf"), n)
-        finally:
-            server.close()
-        result[label] = llm.engine.peak_blocks
-    llm.cache.prefix_caching = True
+            result[label] = server.engine.state.kv_peak
     result["ratio"] = result["n=4"] / result["4 requests"]
     print(
         f"n=4 of a {args.prefix_len}-token prompt: peak {result['n=4']} blocks against "
@@ -452,7 +445,7 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["peer", "rates", "chunk", "interval", "offline", "prefix", "n"],
+        default=["peer", "rates", "chunk", "interval", "prefix", "n", "in_process"],
     )
     parser.add_argument(
         "--rates", nargs="+", type=float, default=[16, 32, 64, 128, 256, float("inf")]
@@ -470,7 +463,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    clients = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
+    clients = Clients(args.clients)
     for started in [clients.submit(time.sleep, 1) for _ in range(args.clients)]:
         started.result()  # every client process up before the clock starts
     workdir = tempfile.TemporaryDirectory()
@@ -482,15 +475,9 @@ def main() -> None:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "serve_partial.json").write_text(json.dumps(run, indent=2))
-    llm = LLM(checkpoint, device=args.device, max_seq_len=args.max_model_len, prefix_caching=True)
-    run["kv_blocks"] = llm.cache.pool.num_blocks
-    run["max_step_tokens"] = llm.engine.max_step_tokens
-    server = MemfitServer(llm, "m")  # the first requests compile kernels: not timed
-    warm_up(clients, server.url, "m", args)
-    server.close()
-    for part in ("rates", "chunk", "interval", "offline", "prefix", "n"):
+    for part in ("rates", "chunk", "interval", "prefix", "n", "in_process"):
         if part in args.parts:
-            run[part] = globals()[f"{part}_part"](clients, llm, args)
+            run[part] = globals()[f"{part}_part"](clients, checkpoint, args)
             if args.out is not None:  # what a run cut short had measured
                 (args.out / "serve_partial.json").write_text(json.dumps(run, indent=2))
     clients.shutdown()
