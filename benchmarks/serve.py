@@ -15,8 +15,8 @@ Parts (--parts):
   that the running streams see against the throughput.
 - interval: the all-at-once load with tokens streamed --stream-intervals at a time.
 - offline: the all-at-once load's work through `LLM.generate` in this process (no HTTP).
-- prefix: --requests requests behind one shared 1,024-token system prompt (and 64 tokens of
-  their own), all at once, with prefix caching on and off: peak KV blocks, mean TTFT,
+- prefix: --prefix-requests (256) requests behind one shared 1,024-token system prompt (and 64
+  tokens of their own), all at once, with prefix caching on and off: peak KV blocks, mean TTFT,
   throughput.
 - n: one 1,024-token prompt with n=4 (128 new tokens) against four separate requests of it,
   prefix caching off for the latter: peak KV blocks.
@@ -340,9 +340,9 @@ def chunk_part(clients, checkpoint, args) -> list[dict]:
     for i, budget in enumerate(args.chunk_tokens):
         with MemfitServer(checkpoint, args, max_step_tokens=budget) as server:
             warm_up(clients, server.url, "m", args)
-            label, inf = f"budget {budget}", [float("inf")]
-            (row,) = load_rows(clients, server, "m", args, inf, label, seed=200 + i)
-        rows.append(row | {"max_step_tokens": budget})
+            label, seed = f"budget {budget}", 200 + 10 * i
+            loads = load_rows(clients, server, "m", args, args.chunk_rates, label, seed=seed)
+        rows += [row | {"max_step_tokens": budget} for row in loads]
     return rows
 
 
@@ -387,7 +387,7 @@ def in_process_part(clients, checkpoint, args) -> dict:
 def prefix_part(clients, checkpoint, args) -> list[dict]:
     vocab = PRESETS[args.model].vocab_size
     system = prompts(1, args.prefix_len, args.prefix_len, vocab, seed=2)[0] + " "
-    batch = prompts(args.requests, 64, 64, vocab, seed=3, prefix=system)
+    batch = prompts(args.prefix_requests, 64, 64, vocab, seed=3, prefix=system)
     rows = []
     for caching in (False, True):
         with MemfitServer(checkpoint, args, prefix_caching=caching) as server:
@@ -447,17 +447,17 @@ def main() -> None:
         nargs="+",
         default=["peer", "rates", "chunk", "interval", "prefix", "n", "in_process"],
     )
-    parser.add_argument(
-        "--rates", nargs="+", type=float, default=[16, 32, 64, 128, 256, float("inf")]
-    )
+    parser.add_argument("--rates", nargs="+", type=float, default=[32, 64, 128, 256, float("inf")])
     parser.add_argument("--peer-rates", nargs="+", type=float, default=[float("inf")])
-    parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[256, 512])
+    parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[512, 1024])
+    parser.add_argument("--chunk-rates", nargs="+", type=float, default=[256, float("inf")])
     parser.add_argument("--stream-intervals", nargs="+", type=int, default=[4, 16])
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--unloaded-requests", type=int, default=8)
     parser.add_argument("--prompt-low", type=int, default=64)
     parser.add_argument("--prompt-high", type=int, default=512)
     parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--prefix-requests", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--clients", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)))
