@@ -771,6 +771,13 @@ def serve_table(run: dict) -> str:
             f"| memfit `LLM.generate` (offline, no HTTP) | all at once | "
             f"{offline['tokens_per_s']:,.0f} | - | - |"
         )
+    if "second_call" in run:
+        later = run["second_call"]
+        lines += [
+            "",
+            f"The {' and '.join(later['parts'])} loads (below, and the prefill budgets above) ran "
+            f"in a second call on the same machine kind, at commit {later['commit']}.",
+        ]
     if "prefix" in run:
         off, on = (next(r for r in run["prefix"] if r["prefix_caching"] == c) for c in (0, 1))
         lines += [
