@@ -134,6 +134,67 @@ def test_captured_decode_inputs_give_the_eager_step(model):
     assert scratch.abs().sum() > 0  # the padding row wrote there, and only there
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_captured_mixed_step_inputs_give_the_eager_step(model, kernels):
+    """A step of prefill chunks beside decodes through the static buffers of StepGraphs (what
+    its CUDA graphs replay; run eagerly here), padded to a (tokens, sequences) bucket with
+    scratch-block tokens and empty sequences: the logits of an ordinary paged step, with the
+    reference attention and with the Triton chunk kernel (interpreted)."""
+    if kernels and not interpreter_enabled():
+        pytest.skip("the kernels on CPU need TRITON_INTERPRET=1 (test_engine_gpu.py runs them)")
+    from memfit.inference import paged_step
+    from memfit.inference.cuda_graphs import StepGraphs, token_buckets
+
+    def cache():
+        return PagedKVCache(
+            model.config, num_blocks=40, block_size=4, dtype=torch.float32, device="cpu"
+        )
+
+    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    eager, static = cache(), cache()
+    first = prompts((3, 9, 6))
+    for c in (eager, static):
+        paged_step(model, c, [0, 1, 2], first)  # three sequences, then decodes beside new ones
+    graphs = StepGraphs(model, static, max_tokens=64, max_seqs=8, max_seq_len=60)
+    assert graphs.seq_buckets == [4, 8] and (16, 8) in graphs.buckets()
+    assert graphs.bucket(19, 5) == (32, 8) and graphs.bucket(65, 1) is None
+    for step, lengths in enumerate([(1, 1, 1, 13), (1, 5, 1, 1, 7), (1, 1, 1, 1, 1)]):
+        seqs = list(range(len(lengths)))
+        tokens = [[(11 * step + 3 * i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+        with triton_on_cpu() if kernels else contextlib.nullcontext():
+            expected = paged_step(model, eager, seqs, tokens)
+            got = graphs.run(seqs, tokens)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert static.lengths == eager.lengths and static.tables == eager.tables
+    blocks = static.scratch_block
+    torch.testing.assert_close(static.keys[:, :blocks], eager.keys[:, :blocks])
+
+
+def test_an_engine_with_step_graphs_matches_full_recompute(model):
+    """Mixed steps through StepGraphs (run eagerly on a CPU), with chunked prefill, preemption
+    and prefix caching: the greedy outputs of full recompute."""
+    from memfit.inference.cuda_graphs import StepGraphs
+
+    batch = prompts((3, 9, 5, 11, 9))
+    batch[4][:8] = batch[1][:8]  # two full blocks shared with request 1
+    cache = PagedKVCache(
+        model.config, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=7, max_running=4, prefix_caching=True)
+    engine.step_graphs = StepGraphs(
+        model, cache, max_tokens=7, max_seqs=4, max_seq_len=engine.max_context
+    )
+    ran = []
+    run = engine.step_graphs.run
+    engine.step_graphs.run = lambda ids, tokens: ran.append(len(ids)) or run(ids, tokens)
+    for prompt in batch:
+        engine.add(prompt, SamplingParams(max_tokens=6))
+    outputs = engine.run()
+    for prompt, got in zip(batch, outputs, strict=True):
+        assert got == full_recompute(model, prompt, 6)
+    assert ran and engine.preemptions > 0 and cache.prefix_hits > 0
+
+
 @pytest.mark.parametrize("num_blocks", [40, 9])
 def test_pipelined_greedy_decoding_matches_full_recompute(model, num_blocks):
     """Decode steps queued before the host has read the last one's tokens (the captured step's

@@ -196,3 +196,166 @@ class DecodeGraphs:
         )
         if self._copied is not None:
             self._copied.record()
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, 256, then steps of 256 up to and including max_tokens: a step of t
+    tokens runs the smallest bucket >= t, so padding costs at most a quarter of a large step."""
+    sizes = [t for t in (16, 32, 64, 128) if t < max_tokens]
+    sizes += list(range(256, max_tokens, 256))
+    return sorted({*sizes, max_tokens})
+
+
+class StepGraphs:
+    """Steps of any mix (prefill chunks beside decodes) captured in CUDA graphs, per bucket of
+    (tokens, sequences): an eager step of a few hundred kernels costs more host time than GPU
+    time, and under load every step is one of these. A step of t tokens of s sequences replays
+    the graph of the smallest buckets >= t and >= s. Its padding tokens sit at position 0 in the
+    scratch block and belong to no sequence; its padding sequences have no tokens (the chunk
+    kernel's programs for them return at once); their logits are never read. The graphs share
+    one memory pool with each other (captured largest first) and with the decode graphs.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        *,
+        max_tokens: int,
+        max_seqs: int,
+        max_seq_len: int,
+    ) -> None:
+        self.model, self.cache = model, cache
+        self.max_seq_len = max_seq_len
+        self.token_buckets = token_buckets(max_tokens)
+        self.seq_buckets = sorted({s for s in (4, 16, 64) if s < max_seqs} | {max_seqs})
+        device = cache.device
+        self.width = width = -(-max_seq_len // cache.block_size)
+        # per token: token, position, slot, row of the block table; per sequence: length, where
+        # its tokens begin (one more), the row of its last token (int64 rows of one buffer)
+        self._tokens = torch.zeros(4, max_tokens, dtype=torch.long, device=device)
+        self._seqs = torch.zeros(3, max_seqs + 1, dtype=torch.long, device=device)
+        self.block_table = torch.zeros(max_seqs, width, dtype=torch.int32, device=device)
+        # (the kernels take int32 lengths and starts: converted on the device, in the graph)
+        pinned = {"pin_memory": device.type == "cuda"}
+        self._tokens_host = torch.zeros(4, max_tokens, dtype=torch.long, **pinned)
+        self._seqs_host = torch.zeros(3, max_seqs + 1, dtype=torch.long, **pinned)
+        self._table_host = torch.zeros(max_seqs * width, dtype=torch.int32, **pinned)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], Tensor] = {}
+        self.pool = None
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (tokens, sequences) pair a step may need: a step of t tokens has at most t
+        sequences."""
+        return [
+            (t, s) for t in self.token_buckets for s in self.seq_buckets
+            if s <= self._seq_bucket(min(t, self.seq_buckets[-1]))
+        ]  # fmt: skip
+
+    def _seq_bucket(self, seqs: int) -> int | None:
+        return next((b for b in self.seq_buckets if b >= seqs), None)
+
+    def bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The smallest captured (tokens, sequences) bucket that holds a step (None: none)."""
+        t = next((b for b in self.token_buckets if b >= tokens), None)
+        s = self._seq_bucket(seqs)
+        return None if t is None or s is None else (t, s)
+
+    def _forward(self, bucket: tuple[int, int]) -> Tensor:
+        tokens, seqs = bucket
+        rows = self._tokens
+        metadata = AttentionMetadata(
+            positions=rows[1, :tokens],
+            slot_mapping=rows[2, :tokens],
+            seq_index=rows[3, :tokens],
+            block_table=self.block_table[:seqs],
+            seq_lens=self._seqs[0, :seqs].to(torch.int32),
+            query_start=self._seqs[1, : seqs + 1].to(torch.int32),
+            max_query_len=tokens,
+            max_seq_len=self.max_seq_len,
+        )
+        logits = self.model(
+            rows[0:1, :tokens], metadata=metadata, kv_cache=self.cache,
+            logits_at=self._seqs[2, :seqs],
+        )  # fmt: skip
+        return logits[0]  # (seqs, vocab)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """Capture every bucket's graph, largest first, into `pool` (another set of graphs'):
+        every token a padding token while they run, so warm-up and capture write only the
+        scratch block."""
+        self.pool = pool
+        largest = (max(self.token_buckets), max(self.seq_buckets))
+        self._stage([], [], largest)
+        device = self.cache.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        order = sorted(self.buckets(), reverse=True)
+        with torch.cuda.stream(stream):
+            for bucket in order:
+                self._forward(bucket)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        torch.cuda.current_stream(device).wait_stream(stream)
+        for bucket in order:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[bucket] = self._forward(bucket)
+            self.pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(device)
+
+    @torch.inference_mode()
+    def run(self, seq_ids: list[int], tokens: list[list[int]]) -> Tensor:
+        """One step: `tokens[i]` (the new tokens of seq_ids[i]) through the model, their slots
+        reserved here; the logits of each sequence's last token (len(seq_ids), vocab), a view
+        of the graph's output valid until the next replay."""
+        bucket = self.bucket(sum(map(len, tokens)), len(seq_ids))
+        self._stage(seq_ids, tokens, bucket)
+        if bucket not in self.graphs:  # not captured (a CPU): the same step, run eagerly
+            return self._forward(bucket)[: len(seq_ids)]
+        self.graphs[bucket].replay()
+        return self.logits[bucket][: len(seq_ids)]
+
+    def _stage(self, seq_ids: list[int], tokens: list[list[int]], bucket) -> None:
+        """Fill the inputs of `bucket`: the sequences' tokens (their slots reserved in the
+        cache), then padding. Three host-to-device copies, from pinned memory."""
+        cache, size = self.cache, self.cache.block_size
+        bucket_tokens, bucket_seqs = bucket
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the host buffers
+        rows, seqs = self._tokens_host.numpy(), self._seqs_host.numpy()
+        at = 0
+        for row, (seq_id, new) in enumerate(zip(seq_ids, tokens, strict=True)):
+            start, count = cache.lengths.get(seq_id, 0), len(new)
+            slots = cache.append(seq_id, count)
+            end = at + count
+            rows[0, at:end] = new
+            rows[1, at:end] = range(start, start + count)
+            rows[2, at:end] = slots
+            rows[3, at:end] = row
+            seqs[:, row] = (start + count, at, end - 1)
+            at = end
+        batch = len(seq_ids)
+        pad_row = min(batch, bucket_seqs - 1)  # a padding sequence's, where there is one
+        rows[:, at:bucket_tokens] = ((0,), (0,), (cache.scratch_block * size,), (pad_row,))
+        seqs[:, batch:bucket_seqs] = ((1,), (at,), (0,))
+        seqs[1, bucket_seqs] = at
+        tables = [cache.tables[s] for s in seq_ids]  # (append may have grown them)
+        width = max((len(t) for t in tables), default=1)
+        table = self._table_host.numpy()[: bucket_seqs * width].reshape(bucket_seqs, width)
+        for row, blocks in enumerate(tables):
+            table[row, : len(blocks)] = blocks
+        table[batch:bucket_seqs, 0] = cache.scratch_block
+        self._tokens[:, :bucket_tokens].copy_(
+            self._tokens_host[:, :bucket_tokens], non_blocking=True
+        )
+        self._seqs[:, : bucket_seqs + 1].copy_(
+            self._seqs_host[:, : bucket_seqs + 1], non_blocking=True
+        )
+        self.block_table[:bucket_seqs, :width].copy_(
+            self._table_host[: bucket_seqs * width].view(bucket_seqs, width), non_blocking=True
+        )
+        if self._copied is not None:
+            self._copied.record()

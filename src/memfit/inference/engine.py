@@ -19,7 +19,10 @@ at a stop token or after max_tokens.
 When every running sequence decodes from a captured step and none waits (batch-1 chat, an
 offline batch once admitted), steps are pipelined: each is queued on the GPU with the tokens
 drawn by the one before it as its input, before the host has read those tokens, so the host's
-bookkeeping runs while the GPU computes (`_decode_pipelined`).
+bookkeeping runs while the GPU computes (`_decode_pipelined`). With `cuda_graphs`, decode
+steps replay CUDA graphs captured per batch size, and (with `step_graphs`) steps that mix
+prefill chunks and decodes replay graphs captured per (tokens, sequences) bucket: an eager step
+of a small model costs more host time than GPU time (memfit.inference.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Engine:
         max_running: int = 256,
         max_seq_len: int | None = None,
         cuda_graphs: bool = False,
+        step_graphs: bool = True,
         decode: Callable[[list[int]], str] | None = None,
         seed: int | None = None,
         prefix_caching: bool = False,
@@ -155,16 +159,26 @@ class Engine:
         """The longest sequence (prompt + new tokens) a request may reach."""
         self.decode = decode
         self.sampler = Sampler(model.config.vocab_size, device=cache.device, seed=seed)
-        self.graphs = None
+        self.graphs = self.step_graphs = None
         if cuda_graphs:
             if cache.device.type != "cuda":
                 raise ValueError("cuda_graphs needs the cache on a CUDA device")
-            from memfit.inference.cuda_graphs import DecodeGraphs
+            from memfit.inference.cuda_graphs import DecodeGraphs, StepGraphs
 
+            pool = None
+            if step_graphs:
+                self.step_graphs = StepGraphs(
+                    model, cache, max_tokens=max_step_tokens, max_seqs=max_running,
+                    max_seq_len=self.max_context,
+                )  # fmt: skip
+                self.step_graphs.capture()
+                pool = self.step_graphs.pool
             self.graphs = DecodeGraphs(
                 model, cache, max_batch=max_running, max_seq_len=self.max_context
             )
+            self.graphs.pool = pool
             self.graphs.capture()
+            torch.cuda.empty_cache()  # (what the eager warm-ups left in the allocator)
 
     def add(
         self, prompt: list[int], params: SamplingParams | None = None, *, follows: int | None = None
@@ -286,10 +300,15 @@ class Engine:
         )
         seq_ids = [r.id for r, _ in batch]
         decode = all(len(tokens) == 1 for _, tokens in batch)
+        step_tokens = [t for _, t in batch]
         if decode and self.graphs is not None and self.graphs.bucket(len(batch)) is not None:
-            logits = self.graphs.run(seq_ids, [tokens[0] for _, tokens in batch])
+            logits = self.graphs.run(seq_ids, [tokens[0] for tokens in step_tokens])
+        elif self.step_graphs is not None and self.step_graphs.bucket(
+            sum(map(len, step_tokens)), len(batch)
+        ):
+            logits = self.step_graphs.run(seq_ids, step_tokens)
         else:
-            logits = paged_step(self.model, self.cache, seq_ids, [t for _, t in batch])
+            logits = paged_step(self.model, self.cache, seq_ids, step_tokens)
         self.steps += 1
         used = self.cache.pool.num_blocks - self.cache.pool.num_free
         self.peak_blocks = max(self.peak_blocks, used)

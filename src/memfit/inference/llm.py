@@ -117,6 +117,7 @@ class LLM(Texts):
         max_step_tokens: int = 2048,
         max_running: int = 256,
         cuda_graphs: bool | None = None,
+        step_graphs: bool = True,
         seed: int = 0,
         prefix_caching: bool = False,
     ) -> None:
@@ -125,7 +126,8 @@ class LLM(Texts):
         GPU's memory, for weights, activations and the KV pool together (vLLM's
         gpu_memory_utilization); kv_cache_bytes instead sets the pool directly (on a CPU:
         CPU_KV_BYTES by default). max_seq_len: the longest prompt + output a request may reach
-        (default: the model's context). cuda_graphs: capture decode steps (default: on CUDA).
+        (default: the model's context). cuda_graphs: capture decode steps (default: on CUDA), and
+        with step_graphs the steps that mix prefill chunks and decodes too.
         prefix_caching: requests reuse the KV blocks of a prefix computed before (a shared
         system prompt is computed once; `memfit serve` turns it on)."""
         if not 0 < memory_fraction <= 1:
@@ -156,7 +158,8 @@ class LLM(Texts):
         )
         self.engine = Engine(
             self.model, self.cache, max_step_tokens=max_step_tokens, max_running=max_running,
-            max_seq_len=max_seq_len, cuda_graphs=graphs, seed=seed, prefix_caching=prefix_caching,
+            max_seq_len=max_seq_len, cuda_graphs=graphs, step_graphs=step_graphs, seed=seed,
+            prefix_caching=prefix_caching,
             decode=self.tokenizer.decode if self.tokenizer is not None else None,
         )  # fmt: skip
         self.last_stats: dict = {}
