@@ -95,6 +95,15 @@ class Texts:
             return ids
         return list(prompt)
 
+    def encode_batch(self, prompts: list[str]) -> list[list[int]]:
+        """`encode` of each text, in one call of the tokenizer's `encode_batch` where it has one
+        (a Rust tokenizer then works on them in parallel, without the interpreter lock)."""
+        encode_batch = getattr(self.tokenizer, "encode_batch", None)
+        if encode_batch is None or not prompts:
+            return [self.encode(p) for p in prompts]
+        encoded = encode_batch(prompts)
+        return [ids if ids else self.encode("") for ids in encoded]
+
     def continuation(self, prompt: list[int], output: list[int]) -> str:
         """The output's text as it continues the prompt: decoded after the prompt's last tokens
         and cut after their text, so a leading space or a character split across the boundary

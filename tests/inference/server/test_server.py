@@ -327,3 +327,28 @@ def test_an_engine_process_that_dies_turns_health_to_503(checkpoint):
         assert response.status_code == 503 and "stopped" in response.json()["error"]["message"]
     finally:
         server.close()
+
+
+def test_prompts_arriving_together_are_tokenized_in_one_batch(checkpoint):
+    """BatchTokenizer: texts encoded off the event loop, those that wait together in one
+    encode_batch call; the ids of the model's own encode (an empty text: its start token); a
+    tokenizer that fails fails each caller."""
+    from memfit.inference.llm import Texts
+    from memfit.inference.server.app import BatchTokenizer
+
+    reference = LLM(checkpoint, block_size=4, device="cpu", dtype="fp32")
+    texts = Texts(reference.tokenizer, reference.info)
+    calls = []
+    encode_batch = texts.encode_batch
+    texts.encode_batch = lambda prompts: calls.append(len(prompts)) or encode_batch(prompts)
+    batcher = BatchTokenizer(texts)
+    prompts = [" ".join(f"w{5 + (i * j) % 40}" for j in range(i + 1)) for i in range(40)] + [""]
+
+    async def main():
+        return await asyncio.gather(*(batcher.encode(p) for p in prompts))
+
+    assert asyncio.run(main()) == [reference.encode(p) for p in prompts]
+    assert sum(calls) == len(prompts) and len(calls) < len(prompts)
+    texts.encode_batch = lambda prompts: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        asyncio.run(batcher.encode("w5"))
