@@ -775,8 +775,8 @@ def serve_table(run: dict) -> str:
         later = run["second_call"]
         lines += [
             "",
-            f"The {' and '.join(later['parts'])} loads (below, and the prefill budgets above) ran "
-            f"in a second call on the same machine kind, at commit {later['commit']}.",
+            f"The parts {', '.join(later['parts'])} of `benchmarks/serve.py` ran in a second call "
+            f"on the same machine kind, at commit {later['commit']}.",
         ]
     if "prefix" in run:
         off, on = (next(r for r in run["prefix"] if r["prefix_caching"] == c) for c in (0, 1))
