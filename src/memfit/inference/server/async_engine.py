@@ -304,7 +304,7 @@ class AsyncEngine:
     def _receive(self, message: tuple) -> None:
         if message[0] == "error":
             self.error = RuntimeError(message[1])
-            self._dispatch([(sink, self.error) for sink in self._sinks.values()])
+            self._dispatch([(sink, self.error) for sink in list(self._sinks.values())])
             return
         _, outputs, state = message
         self._state = state
@@ -323,7 +323,7 @@ class AsyncEngine:
                 sink.last_token = now
                 count += len(tokens)
             if finished:
-                del self._sinks[key]
+                self._sinks.pop(key, None)  # (its handler may be leaving at the same time)
                 metrics.finished.labels(reason).inc()
             pushes.append((sink, Update(tokens, logprobs, finished, reason, text)))
         if count:

@@ -85,6 +85,8 @@ class EngineCore:
                 self._handle(inbox.get(timeout=0.5 if idle else 0.0))
                 if self.stopping or not (engine.waiting or engine.running):
                     continue
+                if idle:  # (the log's rate counts busy time only)
+                    last_log, logged = time.perf_counter(), self.generated
                 engine.step()
                 now = time.perf_counter()
                 if now - last_log >= self.log_interval:
