@@ -327,6 +327,26 @@ def test_prefix_caching_computes_only_the_suffix(model, num_blocks):
     assert cache.pool.num_free == num_blocks and not cache.tables
 
 
+@pytest.mark.parametrize("max_step_tokens", [64, 6])
+def test_requests_sent_together_behind_one_prefix_compute_it_once(model, max_step_tokens):
+    """Three requests behind one 13-token prefix (3 full blocks of 4), added together: the first
+    computes the prefix, the others wait a step and start on its cached blocks instead of
+    computing it beside it (also when the first's prompt takes several chunks); every output
+    equals full recompute's, and an unrelated request is not held up behind them."""
+    prefix = prompts((13,), seed=5)[0]
+    batch = [prefix + [7, 8], prefix + [9], prefix + [3, 4, 5], prompts((5,), seed=9)[0]]
+    cache = PagedKVCache(
+        model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=max_step_tokens, prefix_caching=True)
+    for prompt in batch:
+        engine.add(prompt, SamplingParams(max_tokens=4))
+    outputs = engine.run()
+    assert outputs == [full_recompute(model, p, 4) for p in batch]
+    assert cache.prefix_hits == 2 * 12
+    assert engine.peak_blocks <= 3 + 3 * 3 + 3  # the prefix once, each its own tail, and one
+
+
 def test_parallel_samples_share_the_prompt_blocks(model):
     """n = 4 samples of one 15-token prompt (blocks of 4): the followers start on the leader's
     3 cached full blocks, so the four hold 3 shared blocks and their own few, not 4 x 5; every

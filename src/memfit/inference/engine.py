@@ -101,6 +101,8 @@ class Request:
     leader: Request | None = None
     """Another sample of the same prompt (parallel sampling): with prefix caching this one
     starts after the leader's prompt is computed, on its cached blocks."""
+    prompt_keys: list[int] | None = None
+    """With prefix caching: the keys of the prompt's full blocks (computed once)."""
 
     @property
     def num_tokens(self) -> int:
@@ -243,6 +245,7 @@ class Engine:
             batch.append((request, new))
             budget -= len(new)
             index += 1
+        in_flight = self._keys_in_flight() if self.cache.prefix_caching else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             leader = request.leader
@@ -257,6 +260,14 @@ class Engine:
             if matched:  # start on the cached blocks of its prefix: only the rest is computed
                 tokens = request.prompt + request.output
                 request.computed = self.cache.match_prefix(request.id, tokens)
+                keys = self._prompt_keys(request)
+                next_block = request.computed // self.cache.block_size
+                if next_block < len(keys) and keys[next_block] in in_flight:
+                    # a running sequence computes that block now: found cached once it has
+                    self.cache.free(request.id)
+                    request.computed = 0
+                    break
+                in_flight.update(keys[next_block:])
             chunk = request.pending(budget)
             # (the cached blocks it took may have been counted free for what was promised)
             if self.cache.pool.num_free < promised or not fits(request, len(chunk)):
@@ -270,6 +281,22 @@ class Engine:
             batch.append((request, chunk))
             budget -= len(chunk)
         return batch
+
+    def _prompt_keys(self, request: Request) -> list[int]:
+        if request.prompt_keys is None:
+            request.prompt_keys = self.cache.block_keys(request.prompt)
+        return request.prompt_keys
+
+    def _keys_in_flight(self) -> set[int]:
+        """The keys of the prompt blocks that running sequences have yet to compute or register:
+        a request arriving behind the same prefix waits for them instead of computing them
+        again beside them (requests sent together behind one system prompt compute it once)."""
+        keys: set[int] = set()
+        for request in self.running:
+            registered = len(self.cache.hashes.get(request.id, ()))
+            if registered < len(request.prompt) // self.cache.block_size:
+                keys.update(self._prompt_keys(request)[registered:])
+        return keys
 
     # -- running --------------------------------------------------------------------------------
 

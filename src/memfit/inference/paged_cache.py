@@ -238,6 +238,14 @@ class PagedKVCache:
         self.prefix_hits += len(table) * size
         return len(table) * size
 
+    def block_keys(self, tokens: Sequence[int]) -> list[int]:
+        """The keys of `tokens`' full blocks, each chained on the ones before it: what
+        `register` files them under and `match_prefix` looks for."""
+        size, keys = self.block_size, []
+        for start in range(0, len(tokens) // size * size, size):
+            keys.append(self._key(keys[-1] if keys else None, tokens[start : start + size]))
+        return keys
+
     def unregistered(self, seq_id: int, computed: int) -> bool:
         """Whether `seq_id` has full blocks (of its first `computed` tokens) not registered."""
         return computed // self.block_size > len(self.hashes.get(seq_id, ()))
