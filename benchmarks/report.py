@@ -762,6 +762,10 @@ def serve_table(run: dict) -> str:
         row("`memfit serve`", r, f", stream interval {r['stream_interval']}")
         for r in run.get("interval", [])
     ]
+    lines += [
+        row(f"`memfit serve --api-servers {r['api_servers']}`", r)
+        for r in run.get("api_servers", [])
+    ]
     in_process = run.get("in_process", {})
     if "engine_in_thread" in in_process:
         lines.append(row("`memfit serve --engine-in-thread`", in_process["engine_in_thread"]))

@@ -14,6 +14,8 @@ Parts (--parts):
   (chunked prefill: a long prompt is computed in pieces between the running decodes): the ITL
   that the running streams see against the throughput.
 - interval: the all-at-once load with tokens streamed --stream-intervals at a time.
+- api_servers: `memfit serve --api-servers N` started from the command line, N in
+  --api-servers, at --api-rates: several HTTP processes sharing one engine.
 - offline: the all-at-once load's work through `LLM.generate` in this process (no HTTP).
 - prefix: --prefix-requests (256) requests behind one shared 1,024-token system prompt (and 64
   tokens of their own), all at once, with prefix caching on and off: peak KV blocks, mean TTFT,
@@ -36,6 +38,7 @@ import json
 import multiprocessing
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -249,25 +252,23 @@ Serve(force_model=sys.argv[1], continuous_batching=True, device=sys.argv[2], hos
 """
 
 
-class PeerServer:
-    """`transformers serve CHECKPOINT --continuous-batching` in a child process."""
+class ChildServer:
+    """A server in a child process, its output to `log`, ready once /health answers."""
 
-    def __init__(self, checkpoint: Path, device: str) -> None:
-        port = _free_port()
-        self.command = [sys.executable, "-c", PEER, str(checkpoint), device, str(port)]
-        self.log = checkpoint / "peer.log"  # its access log: a line a request
-        with self.log.open("w") as log:
+    def __init__(
+        self, command: list[str], label: str, log: Path, port: int, stop=signal.SIGTERM
+    ) -> None:
+        self.label, self.log, self.stop = label, log, stop
+        with self.log.open("w") as out:
             self.process = subprocess.Popen(
-                self.command, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT
+                command, env=os.environ.copy(), stdout=out, stderr=subprocess.STDOUT
             )
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 600
         while time.time() < deadline:
             if self.process.poll() is not None:
                 tail = self.log.read_text()[-3000:]
-                raise RuntimeError(
-                    f"transformers serve exited with {self.process.returncode}:\n{tail}"
-                )
+                raise RuntimeError(f"{label} exited with {self.process.returncode}:\n{tail}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -275,14 +276,39 @@ class PeerServer:
                 pass
             time.sleep(1)
         self.close()
-        raise RuntimeError("transformers serve did not answer /health in 600 s")
+        raise RuntimeError(f"{label} did not answer /health in 600 s")
 
     def close(self) -> None:
-        self.process.terminate()
+        self.process.send_signal(self.stop)
         try:
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+    def __enter__(self) -> ChildServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def peer_server(checkpoint: Path, device: str) -> ChildServer:
+    """`transformers serve CHECKPOINT --continuous-batching` (its access log: a line a request)."""
+    port = _free_port()
+    command = [sys.executable, "-c", PEER, str(checkpoint), device, str(port)]
+    return ChildServer(command, "transformers serve", checkpoint / "peer.log", port)
+
+
+def memfit_cli_server(checkpoint: Path, args, api_servers: int) -> ChildServer:
+    """`memfit serve CHECKPOINT --api-servers N`, as a user starts it."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "memfit.cli.main", "serve", str(checkpoint), "--port", str(port),
+        "--device", args.device, "--max-model-len", str(args.max_model_len),
+        "--served-model-name", "m", "--max-waiting", "100000", "--api-servers", str(api_servers),
+    ]  # fmt: skip
+    log = checkpoint / f"memfit_serve_{api_servers}.log"
+    return ChildServer(command, "memfit serve", log, port, stop=signal.SIGINT)  # (as Ctrl-C)
 
 
 # -- the parts ------------------------------------------------------------------------------------
@@ -423,10 +449,23 @@ def n_part(clients, checkpoint, args) -> dict:
     return result
 
 
+def api_servers_part(clients, checkpoint, args) -> list[dict]:
+    """`memfit serve --api-servers N` (several HTTP processes on one engine) started as a user
+    starts it, at --api-rates."""
+    rows = []
+    for i, count in enumerate(args.api_servers):
+        with memfit_cli_server(checkpoint, args, count) as server:
+            warm_up(clients, server.url, "m", args)
+            label, seed = f"{count} HTTP processes", 600 + 10 * i
+            loads = load_rows(clients, server, "m", args, args.api_rates, label, seed=seed)
+        rows += [row | {"api_servers": count} for row in loads]
+    return rows
+
+
 def peer_part(clients, checkpoint, args) -> dict:
     import transformers
 
-    server = PeerServer(checkpoint, args.device)
+    server = peer_server(checkpoint, args.device)
     try:  # the first requests start its continuous-batching worker: not timed
         warm_up(clients, server.url, str(checkpoint), args)
         rows = load_rows(
@@ -445,13 +484,15 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["peer", "rates", "chunk", "interval", "prefix", "n", "in_process"],
+        default=["peer", "rates", "chunk", "interval", "api_servers", "prefix", "n", "in_process"],
     )
     parser.add_argument("--rates", nargs="+", type=float, default=[32, 64, 128, 256, float("inf")])
     parser.add_argument("--peer-rates", nargs="+", type=float, default=[float("inf")])
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[512, 1024])
     parser.add_argument("--chunk-rates", nargs="+", type=float, default=[256, float("inf")])
     parser.add_argument("--stream-intervals", nargs="+", type=int, default=[4, 16])
+    parser.add_argument("--api-servers", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--api-rates", nargs="+", type=float, default=[256, float("inf")])
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--unloaded-requests", type=int, default=8)
     parser.add_argument("--prompt-low", type=int, default=64)
@@ -475,7 +516,7 @@ def main() -> None:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "serve_partial.json").write_text(json.dumps(run, indent=2))
-    for part in ("rates", "chunk", "interval", "prefix", "n", "in_process"):
+    for part in ("rates", "chunk", "interval", "api_servers", "prefix", "n", "in_process"):
         if part in args.parts:
             run[part] = globals()[f"{part}_part"](clients, checkpoint, args)
             if args.out is not None:  # what a run cut short had measured

@@ -178,3 +178,44 @@ def test_serve_answers_over_http(monkeypatch, where):
     assert main(args) == 0
     assert answers["health"] == "ok" and answers["where"] == ("127.0.0.1", 9001)
     assert len(answers["tokens"]["token_ids"]) == 3 and answers["context"] == 64
+
+
+def test_serve_with_two_http_processes_answers_and_stops_on_ctrl_c(tmp_path):
+    """`memfit serve tiny --api-servers 2` as a user starts it: requests are answered, and
+    SIGINT stops the HTTP processes and the engine process."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "memfit.cli.main", "serve", "tiny", "--device", "cpu",
+               "--port", str(port), "--max-model-len", "64", "--api-servers", "2"]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "return_token_ids": True}
+        for _ in range(6):
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert len(response.json()["choices"][0]["token_ids"]) == 3
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) in (0, 130)  # (uvicorn re-raises the signal it caught)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    text = " ".join(log.read_text().split())  # (rich wraps the log's lines)
+    assert "2 HTTP processes" in text and text.count("Finished server process") == 2
+    assert "Traceback" not in text

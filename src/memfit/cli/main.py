@@ -186,6 +186,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "chunks between the running decodes",
     )
     p.add_argument(
+        "--api-servers",
+        type=int,
+        default=1,
+        help="HTTP processes that share the engine (vLLM's --api-server-count): under heavy "
+        "load one process's Python is the limit; /metrics counts each process's own requests",
+    )
+    p.add_argument(
         "--engine-in-thread",
         action="store_true",
         help="step the engine in a thread of the server's process (default: a process of its "

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
+import os
+import signal
+import socket
 
 from rich.console import Console
 
@@ -29,24 +33,99 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         "prefix_caching": not args.no_prefix_caching,
     }  # fmt: skip
     engine_options = {"max_waiting": args.max_waiting, "stream_interval": args.stream_interval}
+    servers = args.api_servers
+    if servers < 1:
+        raise SystemExit(f"--api-servers must be >= 1, got {servers}")
     if args.engine_in_thread:
+        if servers > 1:
+            raise SystemExit("--api-servers > 1 needs the engine in its own process: drop "
+                             "--engine-in-thread")  # fmt: skip
         from memfit.inference.llm import LLM
 
         engine = AsyncEngine(LLM(args.model, **options), **engine_options)
     else:
         log.info("loading %s in the engine process", args.model)
-        engine = AsyncEngine.spawn(str(args.model), **options, **engine_options)
+        engine = AsyncEngine.spawn(
+            str(args.model), **options, **engine_options, api_servers=servers
+        )
     name = args.served_model_name or str(args.model)
     limits = engine.limits
     log.info(
         "serving %s on %s: KV pool of %d blocks x %d tokens (%d tokens), max_model_len %d, "
-        "at http://%s:%d/v1",
+        "at http://%s:%d/v1, %d HTTP process%s",
         name, engine.device, limits.num_blocks, limits.block_size,
         limits.num_blocks * limits.block_size, limits.max_context, args.host, args.port,
+        servers, "es" if servers > 1 else "",
     )  # fmt: skip
     engine.start()
+    if servers == 1:
+        try:
+            uvicorn.run(build_app(engine, model_name=name), host=args.host, port=args.port)
+        finally:
+            engine.stop()
+        return 0
+    # several HTTP processes accept on one socket, each with its own pipes to the engine
+    sock = _listen(args.host, args.port)
+    context = multiprocessing.get_context("spawn")
+    level = logging.getLogger().getEffectiveLevel()
+    ready = [context.Event() for _ in engine.handles]
+    workers = [
+        context.Process(
+            target=http_process,
+            name=f"memfit-http-{i + 1}",
+            daemon=True,
+            args=(handle, sock, name, args.max_waiting, level, up),
+        )
+        for i, (handle, up) in enumerate(zip(engine.handles, ready, strict=True))
+    ]
+    for worker in workers:
+        worker.start()
     try:
-        uvicorn.run(build_app(engine, model_name=name), host=args.host, port=args.port)
+        for worker, up in zip(workers, ready, strict=True):  # every one serving before this one
+            while not up.wait(0.5):
+                if not worker.is_alive():
+                    raise SystemExit(f"{worker.name} exited before it was ready")
+        config = uvicorn.Config(build_app(engine, model_name=name), log_level=level)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        for worker in workers:  # (Ctrl-C in a terminal reaches them already)
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGINT)
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
         engine.stop()
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        raise SystemExit(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def http_process(handle, sock: socket.socket, name: str, max_waiting: int, level: int, ready):
+    """Another HTTP process of `memfit serve --api-servers N`: the API over its own pipes to the
+    engine process, accepting on the shared socket until interrupted."""
+    import uvicorn
+
+    from memfit.inference.server import AsyncEngine, build_app
+    from memfit.inference.server.core import configure_logging
+
+    configure_logging(level)
+    engine = AsyncEngine.connect(handle, max_waiting=max_waiting)
+    engine.start()
+    ready.set()
+    try:
+        config = uvicorn.Config(build_app(engine, model_name=name), log_level=level)
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # (uvicorn re-raises the Ctrl-C it handled: nothing to report)
+        pass
+    finally:
+        engine.stop()

@@ -352,3 +352,40 @@ def test_prompts_arriving_together_are_tokenized_in_one_batch(checkpoint):
     texts.encode_batch = lambda prompts: 1 / 0
     with pytest.raises(ZeroDivisionError):
         asyncio.run(batcher.encode("w5"))
+
+
+def test_two_http_servers_share_one_engine_process(checkpoint, reference):
+    """api_servers=2: a second HTTP side `connect`s to the engine process (here in this process,
+    as `memfit serve --api-servers 2` does in another). Requests through both at once give the
+    offline engine's tokens, each server hears of its own requests only, and when the second
+    leaves the first keeps serving."""
+    engine = AsyncEngine.spawn(
+        str(checkpoint), api_servers=2, block_size=4, device="cpu", dtype="fp32"
+    )
+    first = Server(engine)
+    second = Server(AsyncEngine.connect(engine.handles[0]))
+    try:
+        prompts = [f"w{5 + i} w{9 + i}" for i in range(8)]
+
+        async def one(url, prompt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                    "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                response = await client.post("/v1/completions", json=body)
+            return response.json()["choices"][0]["token_ids"]
+
+        async def main():
+            servers = [first.url, second.url] * 4
+            return await asyncio.gather(*map(one, servers, prompts))
+
+        got = asyncio.run(main())
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        assert got == [offline(reference, reference.encode(p), params).token_ids for p in prompts]
+        for server in (first, second):  # 4 requests each, of 6 tokens
+            assert server.metric("memfit_generated_tokens_total") == 24
+        second.close()
+        assert httpx.post(f"{first.url}/v1/completions",
+                          json={"model": "tiny", "prompt": "w5", "max_tokens": 2}).status_code == 200  # fmt: skip
+        assert first.metric("memfit_kv_blocks_used") == 0 and first.engine.healthy
+    finally:
+        first.close()

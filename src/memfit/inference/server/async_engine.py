@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -152,6 +153,7 @@ class AsyncEngine:
         self._state = self._core.state()
         self._update_gauges(self._state)
         self._receiver: threading.Thread | None = None
+        self._process, self.handles = None, []
 
     @classmethod
     def spawn(
@@ -162,32 +164,52 @@ class AsyncEngine:
         log_interval: float = 10.0,
         stream_interval: int = 1,
         on_load: Callable[[LLM], None] | None = None,
+        api_servers: int = 1,
         **llm_options,
     ) -> AsyncEngine:
         """The engine in a process of its own: `LLM(model, **llm_options)` is built there (this
         returns once it is loaded and warm); this process keeps only the tokenizer. on_load: a
-        picklable function called there with the LLM before it serves (instrumentation)."""
+        picklable function called there with the LLM before it serves (instrumentation).
+        api_servers: HTTP processes that share the engine; this is the first, and `handles` has
+        what each other one passes to `connect`."""
         _check_interval(stream_interval)
+        if api_servers < 1:
+            raise ValueError(f"api_servers must be >= 1, got {api_servers}")
         context = multiprocessing.get_context("spawn")  # (CUDA does not survive a fork)
-        inbox, to_engine = context.Pipe(duplex=False)
-        from_engine, outbox = context.Pipe(duplex=False)
+        pipes = [
+            (context.Pipe(duplex=False), context.Pipe(duplex=False)) for _ in range(api_servers)
+        ]
+        inboxes = [inbox for (inbox, _), _ in pipes]
+        outboxes = [outbox for _, (_, outbox) in pipes]
         core_options = {"stream_interval": stream_interval, "log_interval": log_interval}
         process = context.Process(
             target=engine_process, name="memfit-engine", daemon=True,
-            args=(inbox, outbox, str(model), llm_options, core_options,
+            args=(inboxes, outboxes, str(model), llm_options, core_options,
                   logging.getLogger().getEffectiveLevel(), on_load),
         )  # fmt: skip
         process.start()
-        inbox.close(), outbox.close()  # (the child's ends: a child that dies closes the pipe)
+        for connection in inboxes + outboxes:
+            connection.close()  # (the child's ends: a child that dies closes the pipes)
+        handles = [
+            EngineHandle(to_engine, from_engine) for (_, to_engine), (from_engine, _) in pipes
+        ]
         try:
-            message = from_engine.recv()
+            self = cls.connect(handles[0], max_waiting=max_waiting)
+        except RuntimeError:
+            process.join(timeout=10)
+            raise
+        self._process, self.handles = process, handles[1:]
+        return self
+
+    @classmethod
+    def connect(cls, handle: EngineHandle, *, max_waiting: int = 256) -> AsyncEngine:
+        """An HTTP process's side of an engine process that `spawn` started (in this process or
+        in the one that passed it `handle`); waits until the engine is ready."""
+        try:
+            message = handle.from_engine.recv()
         except EOFError:
-            process.join(timeout=10)
-            raise RuntimeError(
-                f"the engine process exited (code {process.exitcode}) before it was ready"
-            ) from None
+            raise RuntimeError("the engine process exited before it was ready") from None
         if message[0] == "failed":
-            process.join(timeout=10)
             raise RuntimeError(f"the engine process could not start: {message[1]}")
         _, ready, state = message
         self = cls.__new__(cls)
@@ -195,12 +217,14 @@ class AsyncEngine:
         self.llm, self.device = None, ready["device"]
         self._state = state
         self._update_gauges(state)
-        self._process, self._from_engine = process, from_engine
+        self._process, self.handles = None, []
+        self._from_engine = handle.from_engine
         outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self._post = outgoing.put
         self._worker = threading.Thread(
-            target=_forward, args=(outgoing, to_engine), name="memfit-to-engine", daemon=True
-        )
+            target=_forward, args=(outgoing, handle.to_engine), name="memfit-to-engine",
+            daemon=True,
+        )  # fmt: skip
         self._receiver = threading.Thread(
             target=self._receive_all, name="memfit-from-engine", daemon=True
         )
@@ -229,10 +253,12 @@ class AsyncEngine:
             self._receiver.start()
 
     def stop(self) -> None:
+        """Stop the engine; an HTTP process that only `connect`ed leaves it to the others."""
         self._stopping = True
-        self._post(("stop",))
+        owner = self._receiver is None or self._process is not None
+        self._post(("stop",) if owner else _LEAVE)
         self._worker.join(timeout=30)
-        if self._receiver is not None:
+        if self._process is not None:  # (then its pipe closes, and the receiver ends)
             self._process.join(timeout=30)
             if self._process.is_alive():
                 self._process.terminate()
@@ -247,6 +273,8 @@ class AsyncEngine:
     def healthy(self) -> bool:
         alive = self._worker.is_alive()
         if self._receiver is not None:
+            alive = alive and self._receiver.is_alive()
+        if self._process is not None:
             alive = alive and self._process.is_alive()
         return alive and self.error is None
 
@@ -296,8 +324,8 @@ class AsyncEngine:
                 message = connection.recv()
             except (EOFError, OSError):
                 if not self._stopping:
-                    code = self._process.exitcode
-                    self._receive(("error", f"the engine process exited (code {code})"))
+                    code = f" (code {self._process.exitcode})" if self._process is not None else ""
+                    self._receive(("error", f"the engine process exited{code}"))
                 return
             self._receive(message)
 
@@ -353,6 +381,18 @@ def _check_interval(stream_interval: int) -> None:
         raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
 
 
+_LEAVE = ("leave",)  # (not sent: the pipe closes, and the engine drops this client)
+
+
+@dataclass
+class EngineHandle:
+    """What an HTTP process needs to talk to an engine process: its two pipe ends (picklable
+    to a spawned process)."""
+
+    to_engine: Connection
+    from_engine: Connection
+
+
 def _forward(outgoing: queue.SimpleQueue, connection) -> None:
     """The messages the event loop posted, to the engine process: all that wait in one send
     (a send may block while the engine is inside a long step; the event loop never does)."""
@@ -363,9 +403,13 @@ def _forward(outgoing: queue.SimpleQueue, connection) -> None:
                 messages.append(outgoing.get_nowait())
             except queue.Empty:
                 break
+        leave = messages[-1] == _LEAVE
         try:
-            connection.send(messages)
+            connection.send(messages[:-1] if leave else messages)
         except (BrokenPipeError, OSError):
+            return
+        if leave:
+            connection.close()
             return
         if messages[-1] == ("stop",):
             return

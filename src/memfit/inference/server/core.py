@@ -11,7 +11,9 @@ a thread of the server's process. Either way it speaks in messages:
          ("error", message)        the engine stopped
 
 `key` is the HTTP side's name for a request; `follows` the key of an earlier sample of the same
-prompt (its blocks are shared), or None.
+prompt (its blocks are shared), or None. Several HTTP processes may share one engine (`memfit
+serve --api-servers N`): each is a client with its own pair of pipes, its keys its own, and each
+hears of its own requests only (and of the gauges).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any, NamedTuple
 
 from memfit.inference.engine import Engine
@@ -46,18 +49,21 @@ class EngineCore:
     def __init__(
         self,
         engine: Engine,
-        emit: Callable[[tuple], Any],
+        emit: Callable[[tuple], Any] | list[Callable[[tuple], Any]],
         *,
         stream_interval: int = 1,
         log_interval: float = 10.0,
     ) -> None:
-        """emit: called with each outgoing message. stream_interval: a request's tokens go out
-        once this many have come (the first at once, the last ones at the finish)."""
-        self.engine, self.emit = engine, emit
+        """emit: called with each outgoing message (one for each client: a list). stream_interval:
+        a request's tokens go out once this many have come (the first at once, the last ones at
+        the finish)."""
+        self.engine = engine
+        self.emits = emit if isinstance(emit, list) else [emit]
         self.stream_interval, self.log_interval = stream_interval, log_interval
-        self.ids: dict[Any, int] = {}  # key -> engine request id, of the requests not finished
-        self.sent: dict[Any, int] = {}  # key -> tokens sent
-        self.taken = 0
+        # (client, key) -> engine request id, and tokens sent, of the requests not finished
+        self.ids: dict[tuple[int, Any], int] = {}
+        self.sent: dict[tuple[int, Any], int] = {}
+        self.taken = [0] * len(self.emits)  # each client's requests taken in
         self.stopping = False
         self.generated = 0
         self.inbox: Inbox | None = None
@@ -75,8 +81,8 @@ class EngineCore:
         return self.stopping or self.inbox.ready()
 
     def run(self) -> None:
-        """Step until a ("stop",) message (or the inbox closes); an exception inside the engine
-        is sent as ("error", ...) and ends the loop."""
+        """Step until a ("stop",) message (or every client has gone); an exception inside the
+        engine is sent as ("error", ...) to every client and ends the loop."""
         engine, inbox = self.engine, self.inbox
         last_log, logged = time.perf_counter(), 0
         try:
@@ -99,65 +105,88 @@ class EngineCore:
                     last_log, logged = now, self.generated
         except BaseException as error:
             log.exception("the engine stopped")
-            self.emit(("error", f"{type(error).__name__}: {error}"))
+            self._emit_all(("error", f"{type(error).__name__}: {error}"))
         finally:
             engine.on_step = None
 
-    def state(self) -> EngineState:
+    def state(self, client: int = 0) -> EngineState:
         engine, cache = self.engine, self.engine.cache
         pool = cache.pool
         return EngineState(
             len(engine.running), len(engine.waiting), pool.num_blocks - pool.num_free,
             pool.num_blocks, engine.peak_blocks, cache.prefix_hits, cache.prefix_queried,
-            self.taken,
+            self.taken[client],
         )  # fmt: skip
 
-    def _handle(self, messages: list[tuple]) -> None:
+    def _emit_all(self, message: tuple) -> None:
+        for emit in self.emits:
+            try:
+                emit(message)
+            except OSError:  # a client that went away
+                pass
+
+    def _handle(self, messages: list[tuple[int, tuple]]) -> None:
         aborted = False
-        for message in messages:
+        for client, message in messages:
             kind = message[0]
             if kind == "add":
                 _, key, prompt, params, follows = message
-                leader = self.ids.get(follows) if follows is not None else None
-                self.ids[key] = self.engine.add(prompt, params, follows=leader)
-                self.sent[key] = 0
-                self.taken += 1
+                leader = self.ids.get((client, follows)) if follows is not None else None
+                self.ids[client, key] = self.engine.add(prompt, params, follows=leader)
+                self.sent[client, key] = 0
+                self.taken[client] += 1
             elif kind == "abort":
-                request_id = self.ids.pop(message[1], None)
-                if request_id is not None:
-                    del self.sent[message[1]]
-                    self.engine.abort(request_id)
-                    self.engine.forget(request_id)
-                    aborted = True
+                aborted |= self._abort((client, message[1]))
+            elif kind == "gone":  # a client's pipe closed: its requests end with it
+                for name in [name for name in self.ids if name[0] == client]:
+                    aborted |= self._abort(name)
             elif kind == "stop":
                 self.stopping = True
         if aborted:  # the freed blocks show at once
-            self.emit(("step", [], self.state()))
+            self._deliver()
+
+    def _abort(self, name: tuple[int, Any]) -> bool:
+        request_id = self.ids.pop(name, None)
+        if request_id is None:
+            return False
+        del self.sent[name]
+        self.engine.abort(request_id)
+        self.engine.forget(request_id)
+        return True
 
     def _deliver(self) -> None:
-        """Every request's tokens since the last delivery, in one message; finished requests
-        leave the engine."""
+        """Every request's tokens since the last delivery, one message to each client;
+        finished requests leave the engine."""
         requests, sent, interval = self.engine.requests, self.sent, self.stream_interval
-        outputs, finished = [], []
-        for key, request_id in self.ids.items():
+        outputs: list[list] = [[] for _ in self.emits]
+        finished = []
+        for name, request_id in self.ids.items():
             request = requests[request_id]
-            start = sent[key]
+            start = sent[name]
             have = len(request.output)
             if not request.finished and (have == start or (0 < start and have - start < interval)):
                 continue  # nothing new, or fewer than stream_interval (the first goes at once)
             logprobs = request.logprobs[start:] if request.logprobs is not None else None
             new = request.output[start:]
-            sent[key] = have
+            sent[name] = have
             self.generated += len(new)
+            client, key = name
             if request.finished:
-                outputs.append((key, new, logprobs, True, request.finish_reason, request.text))
-                finished.append(key)
+                outputs[client].append(
+                    (key, new, logprobs, True, request.finish_reason, request.text)
+                )
+                finished.append(name)
             else:
-                outputs.append((key, new, logprobs, False, "", None))
-        for key in finished:
-            self.engine.forget(self.ids.pop(key))
-            del sent[key]
-        self.emit(("step", outputs, self.state()))
+                outputs[client].append((key, new, logprobs, False, "", None))
+        for name in finished:
+            self.engine.forget(self.ids.pop(name))
+            del sent[name]
+        state = self.state()
+        for client, emit in enumerate(self.emits):
+            try:
+                emit(("step", outputs[client], state._replace(taken=self.taken[client])))
+            except OSError:  # a client that went away (its "gone" is on its way)
+                pass
 
 
 # -- inboxes: where the loop reads its messages -----------------------------------------------
@@ -174,7 +203,7 @@ class Inbox:
 
 
 class QueueInbox(Inbox):
-    """In one process: the event loop puts, the engine thread gets."""
+    """In one process: the event loop puts, the engine thread gets (one client)."""
 
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -185,35 +214,40 @@ class QueueInbox(Inbox):
     def ready(self) -> bool:
         return not self.queue.empty()
 
-    def get(self, timeout: float) -> list[tuple]:
+    def get(self, timeout: float) -> list[tuple[int, tuple]]:
         messages = []
         try:
             messages.append(self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait())
             while True:
                 messages.append(self.queue.get_nowait())
         except queue.Empty:
-            return messages
+            pass
+        return [(0, message) for message in messages]
 
 
 class PipeInbox(Inbox):
-    """Across processes: lists of messages through a multiprocessing pipe. A closed pipe (the
-    server's process went away) reads as ("stop",)."""
+    """Across processes: lists of messages through one multiprocessing pipe a client. A client
+    whose pipe closes (its process went away) reads as ("gone",); when the last one has gone,
+    ("stop",)."""
 
-    def __init__(self, connection) -> None:
-        self.connection = connection
+    def __init__(self, connections) -> None:
+        self.clients = {connection: client for client, connection in enumerate(connections)}
 
     def ready(self) -> bool:
-        return self.connection.poll()
+        return bool(wait(list(self.clients), 0))
 
-    def get(self, timeout: float) -> list[tuple]:
-        messages: list[tuple] = []
-        try:
-            if self.connection.poll(timeout):
-                messages += self.connection.recv()
-                while self.connection.poll():
-                    messages += self.connection.recv()
-        except (EOFError, OSError):
-            messages.append(("stop",))
+    def get(self, timeout: float) -> list[tuple[int, tuple]]:
+        messages: list[tuple[int, tuple]] = []
+        for connection in wait(list(self.clients), timeout):
+            client = self.clients[connection]
+            try:
+                while connection.poll():
+                    messages += [(client, message) for message in connection.recv()]
+            except (EOFError, OSError):
+                del self.clients[connection]
+                messages.append((client, ("gone",)))
+                if not self.clients:
+                    messages.append((client, ("stop",)))
         return messages
 
 
@@ -221,12 +255,14 @@ class PipeInbox(Inbox):
 
 
 def engine_process(
-    inbox, outbox, model: str, llm_options: dict, core_options: dict, log_level: int, on_load
-) -> None:
-    """The engine process's main: load the model, say what the server needs to know, then step
-    until told to stop. Ctrl-C reaches the server's process, which stops this one in order."""
+    inboxes: list, outboxes: list, model: str, llm_options: dict, core_options: dict,
+    log_level: int, on_load,
+) -> None:  # fmt: skip
+    """The engine process's main: load the model, tell each client what the server needs to
+    know, then step until told to stop. Ctrl-C reaches the server's processes, which stop this
+    one in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _configure_logging(log_level)
+    configure_logging(log_level)
     try:
         from memfit.inference.llm import LLM, Texts
 
@@ -238,17 +274,19 @@ def engine_process(
             "block_size": llm.cache.block_size,
         }
     except BaseException as error:  # (the server's process raises it with this text)
-        outbox.send(("failed", f"{type(error).__name__}: {error}"))
+        for outbox in outboxes:
+            outbox.send(("failed", f"{type(error).__name__}: {error}"))
         return
-    core = EngineCore(llm.engine, outbox.send, **core_options)
-    core.attach(PipeInbox(inbox))
+    core = EngineCore(llm.engine, [outbox.send for outbox in outboxes], **core_options)
+    core.attach(PipeInbox(inboxes))
     if on_load is not None:
         on_load(llm)
-    outbox.send(("ready", ready, core.state()))
+    for outbox in outboxes:
+        outbox.send(("ready", ready, core.state()))
     core.run()
 
 
-def _configure_logging(level: int) -> None:
+def configure_logging(level: int) -> None:
     from rich.console import Console
     from rich.logging import RichHandler
 
