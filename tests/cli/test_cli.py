@@ -211,6 +211,10 @@ def test_serve_with_two_http_processes_answers_and_stops_on_ctrl_c(tmp_path):
         for _ in range(6):
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert len(response.json()["choices"][0]["token_ids"]) == 3
+        for _ in range(4):  # whichever process answers, /metrics counts both
+            metrics = httpx.get(f"{url}/metrics").text
+            assert "memfit_generated_tokens_total 18.0" in metrics
+            assert "memfit_kv_blocks_total 8191.0" in metrics
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=60) in (0, 130)  # (uvicorn re-raises the signal it caught)
     finally:

@@ -190,7 +190,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="HTTP processes that share the engine (vLLM's --api-server-count): under heavy "
-        "load one process's Python is the limit; /metrics counts each process's own requests",
+        "load one process's Python is the limit",
     )
     p.add_argument(
         "--engine-in-thread",

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import tempfile
 
 from rich.console import Console
 
@@ -18,6 +19,11 @@ log = logging.getLogger("memfit.serve")
 
 
 def run_serve(args: argparse.Namespace, console: Console) -> int:
+    if args.api_servers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # every HTTP process writes its metrics here and /metrics adds them up (set before
+        # prometheus_client is imported, here and in the processes that inherit it)
+        metrics_dir = tempfile.TemporaryDirectory(prefix="memfit-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
     try:
         import uvicorn
 

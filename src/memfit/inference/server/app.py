@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ from functools import partial
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from pydantic import BaseModel, ConfigDict, Field
 
 from memfit.inference.llm import Texts
@@ -130,7 +131,7 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
-            generate_latest(engine.metrics.registry).decode(),
+            generate_latest(_registry(engine)).decode(),
             media_type="text/plain; version=0.0.4",
         )
 
@@ -203,6 +204,15 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
                              token_ids=body.return_token_ids)  # fmt: skip
 
     return app
+
+
+def _registry(engine: AsyncEngine) -> CollectorRegistry:
+    """This server's metrics; with several HTTP processes, all of theirs added up."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return engine.metrics.registry
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
 
 
 class BatchTokenizer:

@@ -96,20 +96,27 @@ def _push_all(pushes: list[tuple[_Sink, Update | BaseException]]) -> None:
 
 
 class Metrics:
-    """The server's Prometheus metrics, in a registry of their own (one per server)."""
+    """The server's Prometheus metrics, in a registry of their own (one per server). With
+    several HTTP processes (`memfit serve --api-servers N`, PROMETHEUS_MULTIPROC_DIR set before
+    prometheus_client is imported) every process writes them to that directory and `/metrics`
+    adds them up: the gauges, the engine's, are each the most recent value."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.running = Gauge("memfit_requests_running", "Requests being decoded", registry=r)
-        self.waiting = Gauge("memfit_requests_waiting", "Requests waiting for a slot", registry=r)
-        self.kv_used = Gauge("memfit_kv_blocks_used", "KV cache blocks in use", registry=r)
-        self.kv_total = Gauge("memfit_kv_blocks_total", "KV cache blocks in the pool", registry=r)
-        self.prefix_hits = Gauge(
-            "memfit_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=r
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=r, multiprocess_mode="mostrecent")
+
+        self.running = gauge("memfit_requests_running", "Requests being decoded")
+        self.waiting = gauge("memfit_requests_waiting", "Requests waiting for a slot")
+        self.kv_used = gauge("memfit_kv_blocks_used", "KV cache blocks in use")
+        self.kv_total = gauge("memfit_kv_blocks_total", "KV cache blocks in the pool")
+        self.prefix_hits = gauge(
+            "memfit_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache"
         )
-        self.prefix_rate = Gauge(
-            "memfit_prefix_cache_hit_rate", "Of the prompt tokens, those found cached", registry=r
+        self.prefix_rate = gauge(
+            "memfit_prefix_cache_hit_rate", "Of the prompt tokens, those found cached"
         )
         self.tokens = Counter("memfit_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("memfit_prompt_tokens", "Prompt tokens taken", registry=r)
