@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ class _Section:
                 raise ValueError(
                     f"{section}.{f.name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
                 )
+            # NaN passes every `value <= 0` check below, and inf is no learning rate or timeout
+            if hints[f.name] is float and not math.isfinite(value):
+                raise ValueError(f"{section}.{f.name} = {value!r} is not a finite number")
         self.validate()
 
     def validate(self) -> None:
@@ -54,8 +58,54 @@ def _literal_values(hint: Any) -> tuple[Any, ...] | None:
 
 def _positive(section: str, **values: float) -> None:
     for name, value in values.items():
-        if value <= 0:
+        if not value > 0:
             raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _named(name: str, value: Any) -> str:
+    """`--flag 'value'` for a command-line flag, `section.key = 'value'` for a config key."""
+    return f"{name} {value!r}" if name.startswith("-") else f"{name} = {value!r}"
+
+
+def check_at_least(name: str, value: float, minimum: float, *, what: str = "") -> None:
+    """Refuse `value` below `minimum` (and NaN) with a ValueError naming `name` (a flag such as
+    '--block-size', or a config key) and the value; `what` says what the bound means."""
+    if not value >= minimum:
+        raise ValueError(f"{name} must be >= {minimum}{what}, got {value!r}")
+
+
+def check_between(
+    name: str, value: float, low: float, high: float, *, low_open: bool = False, what: str = ""
+) -> None:
+    """Refuse `value` outside [low, high] ((low, high] with `low_open`), NaN included."""
+    if not ((low < value if low_open else low <= value) and value <= high):
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ValueError(f"{name} must be in {interval}{what}, got {value!r}")
+
+
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+def check_device_spec(spec: str, name: str = "train.device") -> None:
+    """Refuse a device other than 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps' with a ValueError naming
+    `name` (a flag or a config key) and the value, so that nothing hands a bad one to torch
+    (whether a CUDA device is present is the engine's `resolve_device`'s to say)."""
+    if spec == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if (
+        device is None
+        or device.type not in DEVICE_TYPES
+        or (device.index is not None and device.type != "cuda")
+    ):
+        raise ValueError(
+            f"{_named(name, spec)} is not a device; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        )
 
 
 @dataclass(kw_only=True)
@@ -78,6 +128,19 @@ class DataSection(_Section):
 
     def validate(self) -> None:
         _positive("data", seq_len=self.seq_len)
+        # refused here, before a run directory, the data or the model is made
+        if self.source != "synthetic" and not Path(self.source).exists():
+            raise FileNotFoundError(
+                f"data.source = {self.source!r} does not exist; pass 'synthetic', a "
+                ".txt/.md/.jsonl file or a directory of them"
+            )
+        if self.tokenizer != "byte" and not Path(self.tokenizer).exists():
+            raise FileNotFoundError(
+                f"data.tokenizer = {self.tokenizer!r} does not exist; pass 'byte', a "
+                "tokenizer.json or a directory holding one"
+            )
+        if not self.jsonl_field:
+            raise ValueError("data.jsonl_field must name a key of the JSONL records, got ''")
 
 
 @dataclass(kw_only=True)
@@ -111,18 +174,22 @@ class TrainSection(_Section):
             grad_accum=self.grad_accum,
             lr=self.lr,
         )
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check_between("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        for name in ("beta1", "beta2", "momentum"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"train.{name} must be in [0, 1), got {value!r}")
+        for name in ("warmup_steps", "grad_clip", "weight_decay"):
+            check_at_least(f"train.{name}", getattr(self, name), 0)
+        if not 0 <= self.seed < 2**64:  # what the data sampler, `random` and torch all take
+            raise ValueError(f"train.seed must be in [0, 2**64), got {self.seed!r}")
+        check_device_spec(self.device, "train.device")
         from memfit.optim.registry import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"train.optimizer = {self.optimizer!r} is not a registered optimizer; choose one "
                 f"of {', '.join(map(repr, OPTIMIZERS))}"
-            )
-        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError(
-                "train.warmup_steps, train.grad_clip and train.weight_decay must be >= 0"
             )
 
 
@@ -153,12 +220,13 @@ class CheckpointSection(_Section):
     keep: int = 2
     """How many most recent checkpoints to keep."""
     resume: bool = False
+    resume_from: str = ""
+    """Resume from this checkpoint instead of the newest: 'latest-valid' (the newest that passes
+    verification), 'step_0000400', '400', or a checkpoint's path. Implies resume."""
 
     def validate(self) -> None:
-        if self.save_every < 0 or self.keep < 1:
-            raise ValueError(
-                f"checkpoint.save_every must be >= 0 and keep >= 1, got {self.save_every}, {self.keep}"
-            )
+        check_at_least("checkpoint.save_every", self.save_every, 0, what=" (0: at the end)")
+        check_at_least("checkpoint.keep", self.keep, 1)
 
 
 @dataclass(kw_only=True)
@@ -168,6 +236,13 @@ class DistributedSection(_Section):
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype of the gradient collectives: bf16 halves their bytes, fp32 sums exactly as one GPU."""
     timeout_s: float = 600.0
+    """How long a collective may wait for the other ranks."""
+    heartbeat_s: float = 30.0
+    """End the run when a rank has not answered for this long (stopped or frozen); 0: off."""
+
+    def validate(self) -> None:
+        _positive("distributed", timeout_s=self.timeout_s)
+        check_at_least("distributed.heartbeat_s", self.heartbeat_s, 0, what=" (0: off)")
 
 
 @dataclass(kw_only=True)

@@ -191,14 +191,15 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(
+        ckpt.CheckpointError, match="step 2: OSError: disk full.*step_0000001 is kept"
+    ):
         trainer.save()
     assert ckpt.find_checkpoint(tmp_path / "run") == good
-    monkeypatch.undo()
-    # the half-written step is ignored and a later save cleans it up
-    assert (tmp_path / "run" / "checkpoints" / "step_0000002.tmp").exists()
-    trainer.save()
+    # the half-written step was removed, and a later save succeeds
     assert not (tmp_path / "run" / "checkpoints" / "step_0000002.tmp").exists()
+    monkeypatch.undo()
+    assert trainer.save().name == "step_0000002"
 
 
 def test_corrupt_or_foreign_checkpoint_is_refused(tmp_path):

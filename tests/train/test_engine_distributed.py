@@ -162,7 +162,7 @@ def test_ranks_with_different_settings_stop_with_a_clear_error(tmp_path):
     results = run_two(tmp_path, micro_batch=2, zero=1, rank1_lr=1e-2)
     for status, message, *_ in results.values():
         assert status == "ConfigError", results
-        assert "different settings (config)" in message
+        assert "different settings: train.lr: rank 0 0.003, rank 1 0.01" in message
 
 
 def test_a_rank_that_dies_ends_the_others_with_an_error(tmp_path):

@@ -9,6 +9,7 @@ import sys
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.text import Text
 
 from memfit import __version__
 
@@ -97,6 +98,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out")
+    p.add_argument(
+        "--resume-from",
+        metavar="CHECKPOINT",
+        help="continue the run in --out from this checkpoint: step_N, N, a path, or latest-valid "
+        "(the newest that passes verification)",
+    )
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -242,6 +249,7 @@ _TRAIN_FLAGS = {
     "out": ("checkpoint", "out"),
     "save_every": ("checkpoint", "save_every"),
     "resume": ("checkpoint", "resume"),
+    "resume_from": ("checkpoint", "resume_from"),
 }
 
 
@@ -292,6 +300,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args, console)
 
 
+# What a user's input can cause, reported as one line; any other exception is a bug and keeps its
+# traceback. (json.JSONDecodeError and UnicodeDecodeError are ValueErrors.)
+_INPUT_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
+
+
+def _print_error(label: str, message: str) -> None:
+    """`label: message` on stderr, the message literally: it holds paths, keys and text that came
+    from the user, which rich would otherwise read as markup ("[train]", "[/]")."""
+    Console(stderr=True, soft_wrap=True).print(
+        Text.assemble((label, "bold red"), " ", message), highlight=False
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -314,18 +342,23 @@ def main(argv: list[str] | None = None) -> int:
                 + "\nTry a smaller --micro-batch (with a larger --grad-accum), --checkpointing "
                 "full, or a shorter --seq-len."
             )
-        Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]out of memory:[/] {message}", highlight=False
-        )
+        _print_error("out of memory:", message)
         return 3
-    except (ValueError, FileNotFoundError, CheckpointError, TrainingDiverged) as error:
+    except (*_INPUT_ERRORS, CheckpointError, TrainingDiverged) as error:
         if args.verbose:
             raise
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {error}", highlight=False)
+        _print_error("error:", _one_line(error))
         return 2
     except KeyboardInterrupt:
         Console(stderr=True).print("[yellow]interrupted[/]")
         return 130
+
+
+def _one_line(error: BaseException) -> str:
+    """The message of `error`; an OSError's as "what: 'path'" without its "[Errno N]" prefix."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        return f"{error.strerror}: {str(error.filename)!r}"
+    return str(error)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ import json
 from dataclasses import asdict
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from memfit.models.config import format_params, load_model_config
+from memfit.config import check_at_least, check_between
+from memfit.models.config import ModelConfig, check_seq_len, format_params, load_model_config
 from memfit.planner import (
     CATEGORIES,
     Strategy,
@@ -23,12 +25,12 @@ from memfit.planner import (
 from memfit.planner.memory import gib
 from memfit.planner.serve import ServePlan, plan_serve, serve_fixes
 
-# --seq-len's default for training plans (--serve defaults to the model's max_seq_len)
+# --seq-len's default for training plans, or the model's max_seq_len if shorter (--serve defaults
+# to the model's max_seq_len)
 TRAIN_SEQ_LEN = 2048
 
 
-def run_rank_strategies(args: argparse.Namespace, console: Console) -> int:
-    model = load_model_config(args.model)
+def run_rank_strategies(args: argparse.Namespace, console: Console, model: ModelConfig) -> int:
     gpu = get_gpu(args.gpu)
     found = rank_strategies(
         model, gpu, seq_len=args.seq_len, gpus=args.gpus, optimizer=args.optimizer
@@ -49,19 +51,21 @@ def run_rank_strategies(args: argparse.Namespace, console: Console) -> int:
         return 0 if found else 1
     if not found:
         console.print(
-            f"[red]no single-GPU strategy of {model.name} at seq {args.seq_len} fits {gpu.name}[/]"
+            f"[red]no single-GPU strategy of {escape(model.name)} at seq {args.seq_len} fits "
+            f"{gpu.name}[/]"
         )
         strategy = Strategy(
             seq_len=args.seq_len, micro_batch=1, checkpointing="full", optimizer=args.optimizer
         )
         for label, fixed in what_would_fit(model, strategy, gpu)[:5]:
             console.print(
-                f"  with full checkpointing and {label}: peak {gib(fixed.peak_bytes)}",
+                f"  with full checkpointing and {escape(label)}: peak {gib(fixed.peak_bytes)}",
                 highlight=False,
             )
         return 1
     table = Table(
-        title=f"memfit plan --recommend: {model.name} on {gpu.name}, seq {args.seq_len}, fastest first"
+        title=f"memfit plan --recommend: {escape(model.name)} on {gpu.name}, seq {args.seq_len}, "
+        "fastest first"
     )
     for column in (
         "strategy",
@@ -84,14 +88,29 @@ def run_rank_strategies(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """Refuse counts below 1 and fractions outside (0, 1], naming the flag and the value, before
+    anything is planned."""
+    counts = ["gpus", "micro_batch", "grad_accum", "host_cpus"]
+    if args.serve:
+        counts += ["block_size", "max_step_tokens", "max_running"]
+        check_between("--memory-fraction", args.memory_fraction, 0, 1, low_open=True)
+    for flag in counts:
+        check_at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    if args.seq_len is not None:
+        check_at_least("--seq-len", args.seq_len, 1)
+
+
 def run_plan(args: argparse.Namespace, console: Console) -> int:
+    check_plan_flags(args)
     if args.serve:
         return run_plan_serve(args, console)
-    if args.seq_len is None:
-        args.seq_len = TRAIN_SEQ_LEN
-    if args.recommend:
-        return run_rank_strategies(args, console)
     model = load_model_config(args.model)
+    if args.seq_len is None:
+        args.seq_len = min(TRAIN_SEQ_LEN, model.max_seq_len)
+    check_seq_len(model, args.seq_len)  # the engine refuses the same lengths
+    if args.recommend:
+        return run_rank_strategies(args, console, model)
     gpu = get_gpu(args.gpu)
     strategy = Strategy(
         precision=args.precision,
@@ -118,7 +137,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         return 0
 
     console.print(
-        f"[bold]memfit plan[/] {model.name} ({format_params(model.num_params)} params) on {args.gpus} x "
+        f"[bold]memfit plan[/] {escape(model.name)} ({format_params(model.num_params)} params) on {args.gpus} x "
         f"{gpu.name} ({gib(gpu.memory_bytes)}): {strategy.describe()}",
         highlight=False,
     )
@@ -141,7 +160,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         highlight=False,
     )
     for note in result.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", highlight=False, markup=False)
     if result.fits:
         console.print(
             f"[green]fits[/]: {gib(gpu.memory_bytes - result.required_bytes)} to spare",
@@ -155,7 +174,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if fixes:
         console.print("these single changes would fit:")
         for label, fixed in fixes[:5]:
-            console.print(f"  {label:<40} peak {gib(fixed.peak_bytes)}", highlight=False)
+            console.print(f"  {escape(label):<40} peak {gib(fixed.peak_bytes)}", highlight=False)
     else:
         console.print(
             "no single change makes it fit; combine checkpointing, ZeRO-3 and offload, or more GPUs"
@@ -194,13 +213,13 @@ def run_plan_serve(args: argparse.Namespace, console: Console) -> int:
         return 0 if result.fits else 1
 
     console.print(
-        f"[bold]memfit plan --serve[/] {model.name} ({format_params(model.num_params)} params) on "
-        f"{result.gpu} ({gib(result.gpu_memory_bytes)}): {result.describe()}",
+        f"[bold]memfit plan --serve[/] {escape(model.name)} ({format_params(model.num_params)} "
+        f"params) on {result.gpu} ({gib(result.gpu_memory_bytes)}): {escape(result.describe())}",
         highlight=False,
     )
     console.print(_serve_table(result))
     for note in result.notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {note}", highlight=False, markup=False)
     if result.fits:
         console.print(
             f"[green]KV cache[/]: {result.num_blocks:,} blocks of {result.block_size} tokens = "
@@ -211,13 +230,14 @@ def run_plan_serve(args: argparse.Namespace, console: Console) -> int:
         )
         return 0
     console.print(
-        f"[red]does not fit[/]: {result.error_message().splitlines()[0]}", highlight=False
+        f"[red]does not fit[/]: {escape(result.error_message().splitlines()[0])}", highlight=False
     )
     if fixes:
         console.print("these single changes would fit:")
         for label, fixed in fixes:
             console.print(
-                f"  {label:<28} {fixed.max_sequences:,} sequences of {fixed.seq_len:,} tokens",
+                f"  {escape(label):<28} {fixed.max_sequences:,} sequences of {fixed.seq_len:,} "
+                "tokens",
                 highlight=False,
             )
     else:
@@ -310,7 +330,8 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     p.add_argument(
         "--seq-len",
         type=int,
-        help=f"tokens per sequence (default {TRAIN_SEQ_LEN}; with --serve, the model's max_seq_len)",
+        help=f"tokens per sequence, at most the model's max_seq_len (default {TRAIN_SEQ_LEN} or "
+        "that if shorter; with --serve, the model's max_seq_len)",
     )
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--checkpointing", choices=["none", "full", "selective"], default="none")

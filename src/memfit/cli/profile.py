@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from memfit.config import Config
+from memfit.config import Config, check_at_least
 from memfit.models.config import format_params
 from memfit.profile.measure import CATEGORIES, PHASES, MemoryMeasurement, measure_memory
 from memfit.profile.timeline import MatplotlibMissing, plot_timeline
@@ -92,6 +93,11 @@ def run_profile(
     """Build the Trainer of `config`, measure `steps` steps (after one warm-up step), print the
     breakdown (beside `plan_fn(trainer)`'s if given) and, on CUDA, write the timeline plot to
     `png` (default RUN_DIR/memory_timeline.png)."""
+    check_at_least("--profile-steps", steps, 1)
+    if png is not None and Path(png).is_dir():
+        raise IsADirectoryError(f"--png {png!r} is a directory; give the path of a .png file")
+    if png is not None and not Path(png).parent.is_dir():
+        raise FileNotFoundError(f"--png {png!r}: {str(Path(png).parent)!r} is no directory")
     trainer = Trainer(config)
     main = trainer.world.is_main
     mc = trainer.model_config
@@ -101,7 +107,7 @@ def run_profile(
         parallel = f", ZeRO {dist.zero} x {trainer.world.world_size} ranks, offload {dist.offload}"
     if main:
         console.print(
-            f"[bold]memfit profile[/] model [cyan]{mc.name}[/] ({format_params(mc.num_params)} params) "
+            f"[bold]memfit profile[/] model [cyan]{escape(mc.name)}[/] ({format_params(mc.num_params)} params) "
             f"on [cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x "
             f"micro-batch {config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing "
             f"{config.train.checkpointing}, {'compiled' if trainer.compiled else 'eager'}"
@@ -116,7 +122,7 @@ def run_profile(
     if not main:
         return 0
     plan = plan_fn(trainer) if plan_fn is not None else None
-    title = f"memfit profile: {mc.name} on {measurement.device}"
+    title = escape(f"memfit profile: {mc.name} on {measurement.device}")
     if trainer.world.distributed:
         title += f", rank 0 of {trainer.world.world_size}"
     console.print(measurement_table(measurement, plan, title=title))
@@ -129,14 +135,14 @@ def run_profile(
                 highlight=False,
             )
     for note in measurement.notes:
-        console.print(f"[dim]note: {note}[/]", highlight=False)
+        console.print(f"[dim]note: {escape(note)}[/]", highlight=False)
 
     timeline = measurement.timeline
     if timeline is None:
         if png is not None:
             console.print(
                 f"[yellow]warning:[/] no memory timeline on {trainer.device} (it is recorded from "
-                f"CUDA's allocator); {png} not written",
+                f"CUDA's allocator); {escape(png)} not written",
                 highlight=False,
             )
         return 0
@@ -156,5 +162,5 @@ def run_profile(
             highlight=False,
         )
     else:
-        console.print(f"memory timeline: [cyan]{path}[/]", highlight=False)
+        console.print(f"memory timeline: [cyan]{escape(str(path))}[/]", highlight=False)
     return 0

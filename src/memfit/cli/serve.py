@@ -18,7 +18,24 @@ from memfit.train.engine import resolve_device
 log = logging.getLogger("memfit.serve")
 
 
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """serve's flags, refused with the flag and the value before the model is loaded."""
+    from memfit.cli.generate import check_engine_flags
+    from memfit.config import check_at_least, check_between
+
+    check_engine_flags(args)
+    check_between("--port", args.port, 1, 65535)
+    for flag in ("max_running", "max_waiting", "stream_interval", "max_step_tokens", "api_servers"):
+        check_at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    if args.api_servers > 1 and args.engine_in_thread:
+        raise ValueError(
+            f"--api-servers {args.api_servers} needs the engine in its own process: drop "
+            "--engine-in-thread"
+        )
+
+
 def run_serve(args: argparse.Namespace, console: Console) -> int:
+    check_serve_flags(args)
     if args.api_servers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         # every HTTP process writes its metrics here and /metrics adds them up (set before
         # prometheus_client is imported, here and in the processes that inherit it)
@@ -40,12 +57,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     }  # fmt: skip
     engine_options = {"max_waiting": args.max_waiting, "stream_interval": args.stream_interval}
     servers = args.api_servers
-    if servers < 1:
-        raise SystemExit(f"--api-servers must be >= 1, got {servers}")
     if args.engine_in_thread:
-        if servers > 1:
-            raise SystemExit("--api-servers > 1 needs the engine in its own process: drop "
-                             "--engine-in-thread")  # fmt: skip
         from memfit.inference.llm import LLM
 
         engine = AsyncEngine(LLM(args.model, **options), **engine_options)

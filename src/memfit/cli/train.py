@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import statistics
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -46,7 +48,10 @@ def choose_strategy(config: Config, console: Console) -> Config:
             f"{gpu.name}; `memfit plan --model {config.model.name} --recommend` says what would"
         )
     best = found[0]
-    console.print(f"[bold]--auto[/]: {best.strategy.describe()} — {best.why()}", highlight=False)
+    console.print(
+        f"[bold]--auto[/]: {escape(best.strategy.describe())} — {escape(best.why())}",
+        highlight=False,
+    )
     chosen = dataclasses.replace(
         train,
         micro_batch=best.strategy.micro_batch,
@@ -65,16 +70,17 @@ def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
         console.quiet = True
     mc = trainer.model_config
     console.print(
-        f"[bold]memfit train[/] model [cyan]{mc.name}[/] ({format_params(mc.num_params)} params) on "
+        f"[bold]memfit train[/] model [cyan]{escape(mc.name)}[/] ({format_params(mc.num_params)} params) on "
         f"[cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x micro-batch "
         f"{config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing {config.train.checkpointing}, "
         f"{'compiled' if trainer.compiled else 'eager'}, "
-        f"run dir [cyan]{trainer.run_dir}[/]",
+        f"run dir [cyan]{escape(str(trainer.run_dir))}[/]",
         highlight=False,
     )
     if trainer.resumed_from is not None:
         console.print(
-            f"resumed from [cyan]{trainer.resumed_from}[/] at step {trainer.step}", highlight=False
+            f"resumed from [cyan]{escape(str(trainer.resumed_from))}[/] at step {trainer.step}",
+            highlight=False,
         )
 
     progress = Progress(
@@ -128,7 +134,19 @@ def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
         skipped = sum(m.skipped for m in history)
         if skipped:
             table.add_row("skipped steps (fp16 overflow)", str(skipped))
-    table.add_row("metrics", str(trainer.run_dir / "metrics.jsonl"))
-    table.add_row("checkpoint", str(trainer.run_dir / "checkpoints"))
+    if not history and trainer.resumed_from is not None:
+        table.add_row(
+            "steps", f"none: the run was already at step {trainer.step} of {config.train.steps}"
+        )
+    table.add_row("metrics", escape(str(trainer.run_dir / "metrics.jsonl")))
+    table.add_row("checkpoint", escape(str(trainer.run_dir / "checkpoints")))
     console.print(table)
+    if trainer.stopped_by is not None:
+        console.print(
+            f"[yellow]stopped by {trainer.stopped_by} after step {trainer.step}[/]: the checkpoint "
+            f"of that step is saved; `--resume` goes on from it",
+            highlight=False,
+        )
+        signum = getattr(signal, trainer.stopped_by, None)
+        return 128 + int(signum) if signum is not None else 1
     return 0

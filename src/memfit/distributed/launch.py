@@ -7,21 +7,30 @@ started without torchrun is a world of one and joins nothing.
 
 Failure within a timeout: every collective waits at most `timeout_s` (torch's NCCL watchdog then
 aborts the process), and torchrun ends the other ranks when one exits, so a rank that dies ends
-the run everywhere with the dead rank's error at the top of torchrun's report. Ranks launched with
-different configurations stop at once, before any training, with the settings that differ.
+the run everywhere with the dead rank's error at the top of torchrun's report. A rank that stops
+without dying (SIGSTOP, a frozen host) would hold the others in their next collective for all of
+`timeout_s`: `Heartbeat` has every rank beat through the rendezvous store every few seconds and
+ends a rank whose peers' beats stop for `deadline_s`, naming them, so the whole run ends within
+about that long (torchrun then ends the stopped process too). Ranks launched with different
+configurations stop at once, before any training, naming the settings that differ.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "agree", "check_same", "init_world", "launched_by_torchrun"]
+__all__ = ["Heartbeat", "World", "agree", "check_same", "init_world", "launched_by_torchrun"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,18 +99,95 @@ def use_host_threads() -> int | None:
 
 
 def check_same(settings: dict[str, str]) -> None:
-    """Raise on every rank if the ranks were not given the same settings (name -> text)."""
+    """Raise on every rank if the ranks were not given the same settings (name -> text), naming
+    each setting that differs and its value on each rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    digest = {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in settings.items()}
     everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, digest)
-    differ = sorted({k for d in everyone for k in d if d.get(k) != everyone[0].get(k)})
+    dist.all_gather_object(everyone, settings)
+    ranks = [d or {} for d in everyone]
+    differ = sorted({k for d in ranks for k in d if d.get(k) != ranks[0].get(k)})
     if differ:
-        raise ValueError(
-            f"ranks were launched with different settings ({', '.join(differ)}): every rank of "
-            "a torchrun launch needs the same command line and config file"
+        shown = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r} {d.get(key)}" for r, d in enumerate(ranks))
+            for key in differ[:5]
         )
+        more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+        raise ValueError(
+            f"ranks were launched with different settings: {shown}{more}; every rank of a "
+            "torchrun launch needs the same command line and config file"
+        )
+
+
+class Heartbeat:
+    """Every rank adds 1 to its counter in the process group's store each `interval_s`, reads
+    the others', and ends its own process (exit code 1) when a peer's counter has not moved for
+    `deadline_s` (the peer is stopped or frozen), or when the store has not answered for as long
+    (its host is). Daemon threads; the beat needs the GIL only briefly, and torch's I/O, kernels
+    and collectives release it, so a busy rank keeps beating."""
+
+    def __init__(self, world: World, *, deadline_s: float, interval_s: float = 2.0) -> None:
+        self.world, self.deadline_s, self.interval_s = world, deadline_s, interval_s
+        self._store = dist.PrefixStore(
+            "memfit/heartbeat/", dist.distributed_c10d._get_default_store()
+        )
+        now = time.monotonic()
+        self._answered = now
+        self._seen = [-1] * world.world_size
+        self._moved = [now] * world.world_size
+        self._stopped = threading.Event()
+        threading.Thread(target=self._beat, name="memfit-heartbeat", daemon=True).start()
+        threading.Thread(target=self._watch, name="memfit-heartbeat-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _beat(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._store.add(str(self.world.rank), 1)
+                counts = [self._store.add(str(r), 0) for r in range(self.world.world_size)]
+            except Exception:  # the store went away: the run is ending; the watcher decides
+                counts = None
+            if counts is not None:
+                now = time.monotonic()
+                self._answered = now
+                for r, count in enumerate(counts):
+                    if count != self._seen[r]:
+                        self._seen[r], self._moved[r] = count, now
+            self._stopped.wait(self.interval_s)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(1.0):
+            if not dist.is_initialized():  # the process group was destroyed: the run is over
+                return
+            now = time.monotonic()
+            silent = [
+                r
+                for r in range(self.world.world_size)
+                if r != self.world.rank and now - self._moved[r] > self.deadline_s
+            ]
+            if silent:
+                self._end(
+                    f"rank {', '.join(map(str, silent))} of {self.world.world_size} has not "
+                    f"answered for {self.deadline_s:.0f} s (stopped, e.g. by SIGSTOP, or frozen)"
+                )
+            if now - self._answered > self.deadline_s:
+                self._end(
+                    f"the rendezvous store has not answered for {self.deadline_s:.0f} s (its "
+                    "host, torchrun or rank 0, is stopped or gone)"
+                )
+
+    def _end(self, why: str) -> None:
+        if self._stopped.is_set():
+            return
+        message = (
+            f"memfit: rank {self.world.rank}: {why}; ending this rank so that the launcher "
+            "ends the run (distributed.heartbeat_s sets the deadline, 0 turns it off)"
+        )
+        logger.error("%s", message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread may be inside a collective that will never return
 
 
 def agree(flag: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,16 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from memfit.inference.engine import Engine
 from memfit.inference.paged_cache import PagedKVCache
 from memfit.inference.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from memfit.train.data import Tokenizer
 
 GiB = 2**30
 CPU_KV_BYTES = 256 * 2**20
@@ -129,6 +133,7 @@ class LLM(Texts):
         step_graphs: bool = True,
         seed: int = 0,
         prefix_caching: bool = False,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """model: a Hugging Face checkpoint directory, a memfit checkpoint, or a preset name.
         dtype: bf16, fp16 or fp32 (default bf16 on CUDA, fp32 on a CPU). memory_fraction: of the
@@ -138,7 +143,9 @@ class LLM(Texts):
         (default: the model's context). cuda_graphs: capture decode steps (default: on CUDA), and
         with step_graphs the steps that mix prefill chunks and decodes too.
         prefix_caching: requests reuse the KV blocks of a prefix computed before (a shared
-        system prompt is computed once; `memfit serve` turns it on)."""
+        system prompt is computed once; `memfit serve` turns it on). tokenizer: one to use instead
+        of the checkpoint's (memfit.train.data.load_tokenizer makes one); it may not have more
+        tokens than the model has embeddings."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -147,8 +154,15 @@ class LLM(Texts):
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         torch_dtype = _DTYPES[dtype]
         self.model, info = _load(model, self.device, torch_dtype, seed)
-        super().__init__(getattr(info, "tokenizer", None), info)
+        super().__init__(tokenizer or getattr(info, "tokenizer", None), info)
         self.config = self.model.config
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.config.vocab_size:
+            # its larger ids would index past the embedding table
+            raise ValueError(
+                f"tokenizer {self.tokenizer.name!r} has "
+                f"{self.tokenizer.vocab_size} tokens but model {self.config.name!r} has only "
+                f"{self.config.vocab_size} embeddings; use the model's own tokenizer"
+            )
         self.block_size = block_size
         max_seq_len = max_seq_len or self.config.max_seq_len
         graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -66,6 +66,12 @@ def _check_number(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return float(value)
+
+
+def _as_tuple(name: str, value: object, items: str) -> tuple:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a sequence of {items}, got {value!r}")
+    return tuple(value)
 
 
 @_reject_unknown_keywords
@@ -127,13 +133,13 @@ class SamplingParams:
             )
         if self.seed is not None and not SEED_MIN <= _check_int("seed", self.seed) <= SEED_MAX:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
-        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "token ids")
         for token in self.stop_token_ids:
             if _check_int("stop_token_ids", token) < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {token}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
+        self.stop = _as_tuple("stop", self.stop, "strings")
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(

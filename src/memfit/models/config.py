@@ -11,9 +11,36 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# the fields that count something: each must be an int >= 1
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "max_seq_len",
+)
+# what Llama 3.1's RoPE scaling reads (memfit.ops.rotary)
+LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,16 +73,31 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+        # every field is checked for its type too: a config.json may hold "64" or 64.5
+        for key in _SIZES:
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(
                     f"model {self.name!r}: {key} must be a positive integer, got {value!r}"
                 )
-        if self.intermediate_size < 1:
+        if not _is_int(self.head_dim) or self.head_dim < 0:
             raise ValueError(
-                f"model {self.name!r}: intermediate_size must be >= 1, got {self.intermediate_size}"
+                f"model {self.name!r}: head_dim must be a positive integer (0: hidden_size // "
+                f"num_heads), got {self.head_dim!r}"
             )
+        if self.sliding_window is not None and (
+            not _is_int(self.sliding_window) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"model {self.name!r}: sliding_window must be a positive integer or None, got "
+                f"{self.sliding_window!r}"
+            )
+        for key in ("rope_theta", "rms_norm_eps", "init_std"):
+            value = getattr(self, key)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ValueError(
+                    f"model {self.name!r}: {key} must be a finite number > 0, got {value!r}"
+                )
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"model {self.name!r}: num_heads={self.num_heads} is not a multiple of "
@@ -74,11 +116,24 @@ class ModelConfig:
                 f"model {self.name!r}: head_dim must be even for RoPE, got {self.head_dim}"
             )
         if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise ValueError(
+                    f"model {self.name!r}: rope_scaling must be a dict or None, got "
+                    f"{self.rope_scaling!r}"
+                )
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rope_type not in ("llama3", "default"):
                 raise ValueError(
                     f"model {self.name!r}: rope_scaling type {rope_type!r} is not supported; "
                     "known: 'llama3' (Llama 3.1+) or none"
+                )
+            needed = LLAMA3_ROPE_KEYS if rope_type == "llama3" else ()
+            bad = {key: self.rope_scaling.get(key) for key in needed}
+            bad = {key: value for key, value in bad.items() if not _is_number(value)}
+            if bad:
+                raise ValueError(
+                    f"model {self.name!r}: llama3 rope_scaling needs a number for each of "
+                    f"{', '.join(needed)}; got {bad}"
                 )
 
     @functools.cached_property
@@ -226,8 +281,13 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"no Hugging Face config.json at {str(path)!r}")
     try:
         hf = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{str(path)!r} is not valid JSON: {error}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(
+            f"{str(path)!r} holds a JSON {type(hf).__name__}; a Hugging Face config.json is an "
+            "object of keys (model_type, hidden_size, ...)"
+        )
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_HF_TYPES:
         raise ValueError(
@@ -249,10 +309,24 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         raise ValueError(
             f"{str(path)!r}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU needs 'silu')"
         )
+    try:
+        return _from_hf_dict(hf, path, model_type)
+    except ValueError as error:  # the value of a key that ModelConfig refuses
+        raise ValueError(f"{str(path)!r}: {error}") from None
+
+
+def _from_hf_dict(hf: dict[str, Any], path: Path, model_type: str) -> ModelConfig:
+    def number(key: str, value: Any) -> float:
+        if not _is_number(value):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+
     num_heads = hf["num_attention_heads"]
     sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
     if model_type == "qwen2" and hf.get("use_sliding_window"):
         sliding_window = hf.get("sliding_window")
+    rope_parameters = hf.get("rope_parameters")
+    rope_parameters = rope_parameters if isinstance(rope_parameters, dict) else {}
     return ModelConfig(
         name=str(hf.get("_name_or_path") or path.parent.name or "hf"),
         vocab_size=hf["vocab_size"],
@@ -263,15 +337,15 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         intermediate_size=hf["intermediate_size"],
         head_dim=hf.get("head_dim") or 0,
         max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(
-            hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        rope_theta=number(
+            "rope_theta", hf.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
         ),
         rope_scaling=_rope_scaling(hf),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         sliding_window=sliding_window,
-        init_std=float(hf.get("initializer_range", 0.02)),
+        init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
     )
 
 
@@ -279,6 +353,8 @@ def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
     if not scaling:
         return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be an object of keys, got {scaling!r}")
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type in (None, "default"):
         return None
@@ -298,6 +374,24 @@ def load_model_config(spec: str) -> ModelConfig:
         f"unknown model {spec!r}{hint} Known presets: {', '.join(PRESETS)}; "
         "or give the path of a Hugging Face config.json"
     )
+
+
+def check_seq_len(
+    model: ModelConfig,
+    seq_len: int,
+    name: str = "--seq-len",
+    error: type[ValueError] = ValueError,
+) -> None:
+    """Refuse a training sequence length outside [1, model.max_seq_len], raising `error` (a
+    ValueError) that names `name`, the value and the model's limit. The training engine, `memfit
+    plan` and the planner's search all call this, so that what the planner says fits is what
+    `memfit train` runs."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise error(f"{name} must be a positive integer, got {seq_len!r}")
+    if seq_len > model.max_seq_len:
+        raise error(
+            f"{name} {seq_len} exceeds model {model.name!r}: its max_seq_len is {model.max_seq_len}"
+        )
 
 
 def format_params(count: int) -> str:

@@ -329,7 +329,12 @@ def _load_memfit(
     from memfit.train.data import load_tokenizer
 
     meta = read_meta(checkpoint)  # CheckpointError when partial or corrupt
-    config = ModelConfig(**meta["model"])
+    try:
+        config = ModelConfig(**meta["model"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{str(checkpoint / 'meta.json')!r} holds no model config memfit reads: {error}"
+        ) from None
     model, backend = _meta_model(config, device, dtype, attention)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     _materialize(
@@ -399,7 +404,7 @@ def _materialize(
     is read."""
     start = time.perf_counter()
     with ExitStack() as stack:
-        handles, shapes, dtypes = {}, {}, {}
+        handles, shapes, dtypes, file_of = {}, {}, {}, {}
         for file in files:
             try:
                 handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
@@ -407,7 +412,7 @@ def _materialize(
                 raise ValueError(f"cannot read {str(file)!r} as safetensors: {error}") from None
             for name in handle.keys():
                 header = handle.get_slice(name)  # reads the header, not the data
-                handles[name] = handle
+                handles[name], file_of[name] = handle, file
                 shapes[name] = tuple(header.get_shape())
                 dtypes[name] = header.get_dtype()
         check(shapes)
@@ -428,6 +433,8 @@ def _materialize(
             tensors = [handles[hf].get_tensor(hf).to(dtype) for hf, _ in parts]
             fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
             state[name] = fused.to(device)
+            if not _all_finite(state[name]):  # on the device: fast where it is a GPU
+                _refuse_non_finite(parts, tensors, handles, file_of, dtype)
     model.load_state_dict(state, assign=True)  # the meta tensors are replaced, not copied into
     _check_materialized(model)
     model.eval()
@@ -442,6 +449,37 @@ def _materialize(
         device,
         seconds,
         nbytes / 1e9 / max(seconds, 1e-9),
+    )
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 2**24) -> bool:
+    """torch.isfinite(tensor).all(), chunk by chunk so that its bool temporary stays small
+    (16 MiB) beside the weights being loaded; one synchronization."""
+    if tensor.numel() == 0:
+        return True
+    parts = tensor.reshape(-1).split(chunk)
+    return bool(torch.stack([torch.isfinite(part).all() for part in parts]).all())
+
+
+def _refuse_non_finite(
+    parts: Sequence[tuple[str, Sequence[int]]],
+    tensors: list[torch.Tensor],
+    handles: dict[str, Any],
+    file_of: dict[str, Path],
+    dtype: torch.dtype,
+) -> None:
+    """Raise ValueError naming the file tensor of `parts` that holds NaN or inf once cast to
+    `dtype` (`tensors`), and whether the file holds it or the cast made it (an overflow)."""
+    name = next(hf for (hf, _), t in zip(parts, tensors, strict=True) if not _all_finite(t))
+    where = f"{name!r} in {str(file_of[name])!r}"
+    if _all_finite(handles[name].get_tensor(name)):
+        raise ValueError(
+            f"{where} overflows {dtype} (values beyond its range); load the model in a dtype "
+            "with the range of the stored one (fp32 or bf16)"
+        )
+    raise ValueError(
+        f"{where} holds NaN or inf: the checkpoint is corrupt or was saved from a run that "
+        "diverged; use an earlier checkpoint"
     )
 
 

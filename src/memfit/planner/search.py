@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.models.config import ModelConfig
+from memfit.models.config import ModelConfig, check_seq_len
 from memfit.planner.hardware import GPU
 from memfit.planner.memory import MemoryPlan, Strategy, plan
 from memfit.planner.time import StepTime, step_time
@@ -52,10 +52,7 @@ def rank_strategies(
             "accumulation, checkpointing), not ZeRO stages or offload; plan a data-parallel run "
             f"with `memfit plan --gpus {gpus} --zero S [--offload optimizer|params]` instead"
         )
-    if seq_len > model.max_seq_len:
-        raise ValueError(
-            f"seq_len {seq_len} exceeds model {model.name!r}'s max_seq_len={model.max_seq_len}"
-        )
+    check_seq_len(model, seq_len, "seq_len")
     budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
     found = []
     for checkpointing in ("none", "selective", "full"):

@@ -1,17 +1,22 @@
 """The training engine: one process, or one rank of a torchrun data-parallel run.
 
 `Trainer(config)` builds, in this order (each step documented where it is done):
-  1. process group, device, precision, seeds; the config's rules that need the world size;
-  2. data (tokenizer, packed token batches, this rank's share);
-  3. the model, constructed on the meta device and materialized on the target device;
-  4. techniques applied to the plain model (distributed/parallelize.py): activation checkpointing,
+  1. process group, device, precision, seeds; the config's rules that need the world size; the
+     ranks' heartbeat;
+  2. the run directory, checked before anything costly is built: writable, free space for a
+     checkpoint, and, when resuming, the checkpoint chosen and verified;
+  3. data (tokenizer, packed token batches, this rank's share);
+  4. the model, constructed on the meta device and materialized on the target device;
+  5. techniques applied to the plain model (distributed/parallelize.py): activation checkpointing,
      then torch.compile, then ZeRO-3 parameter sharding;
-  5. the optimizer side (one process: LocalOptimizer; data parallel or offload: ZeroOptimizer
+  6. the optimizer side (one process: LocalOptimizer; data parallel or offload: ZeroOptimizer
      over the same parameter groups), LR schedule, loss scaler;
-  6. resume from the run directory's latest checkpoint if asked.
+  7. the resume itself, refusing a checkpoint that holds NaN or inf.
 `Trainer.fit()` runs the optimizer steps, each one `train/step.py`'s `train_step` (the one the
 profiler observes), and stops with `TrainingDiverged` on a non-finite loss in fp32/bf16, before
-anything is saved.
+anything is saved (and `save` never writes non-finite parameters or optimizer state). SIGTERM or
+SIGINT ends `fit` after the current step with a checkpoint (`stopped_by` names the signal); the
+same signal again ends the process at once.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import logging
 import math
 import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +40,7 @@ from memfit.config import Config, check_parallelism, to_toml
 from memfit.distributed import ZeroOptimizer
 from memfit.distributed.parallelize import compiles_blocks, parallelize
 from memfit.functional import resolve_attention
-from memfit.models.config import load_model_config
+from memfit.models.config import check_seq_len, load_model_config
 from memfit.models.llama import build_model
 from memfit.optim import LocalOptimizer, build_scheduler, make_optimizer, parameter_groups
 from memfit.planner.advice import planner_advice, preflight
@@ -61,7 +68,12 @@ class ConfigError(ValueError):
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(
+            f"device {spec!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"train.device = {spec!r} but no CUDA device is present; use 'auto' or 'cpu'"
@@ -88,7 +100,13 @@ class Trainer:
                 zero=zero, offload=offload, optimizer=train.optimizer,
                 world_size=self.world.world_size,
             )  # fmt: skip
-            launch.check_same({"config": to_toml(config)})
+            launch.check_same(
+                {
+                    f"{section}.{key}": repr(value)
+                    for section, values in config.to_dict().items()
+                    for key, value in values.items()
+                }
+            )
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.precision = resolve_precision(train.precision, self.device)
@@ -103,13 +121,24 @@ class Trainer:
         random.seed(train.seed)
         torch.manual_seed(train.seed)
 
-        # 2. data
         self.model_config = load_model_config(config.model.name)
-        if config.data.seq_len > self.model_config.max_seq_len:
-            raise ConfigError(
-                f"--seq-len {config.data.seq_len} exceeds model {self.model_config.name!r}'s "
-                f"max_seq_len={self.model_config.max_seq_len}"
-            )
+        check_seq_len(self.model_config, config.data.seq_len, error=ConfigError)
+        self.heartbeat = (
+            launch.Heartbeat(self.world, deadline_s=config.distributed.heartbeat_s)
+            if self.world.distributed and config.distributed.heartbeat_s > 0
+            else None
+        )
+
+        # 2. the run directory, before anything is built: writable, holding a run only when
+        # resuming it, and then the checkpoint to resume from chosen and verified
+        self.run_dir = self._run_directory()
+        self.known_good: set[str] = set()  # checkpoints written or verified by this process
+        self.resume_from: tuple[Path, dict[str, Any]] | None = None
+        if config.checkpoint.resume or config.checkpoint.resume_from:
+            self.resume_from = self._on_main(self._choose_checkpoint)
+        self._on_main(self._check_free_space)
+
+        # 3. data
         self.tokenizer, self.batches = build_data(
             config.data.source,
             config.data.tokenizer,
@@ -126,7 +155,7 @@ class Trainer:
                 f"{self.model_config.name!r} only {self.model_config.vocab_size} embeddings"
             )
 
-        # 3. model (meta-device construction, then materialized and initialized)
+        # 4. model (meta-device construction, then materialized and initialized)
         attention = resolve_attention(
             config.model.attention,
             self.device,
@@ -151,7 +180,7 @@ class Trainer:
         )
         self.model.train()
 
-        # 4. techniques, in order: activation checkpointing, compile, ZeRO-3 sharding
+        # 5. techniques, in order: activation checkpointing, compile, ZeRO-3 sharding
         groups = parameter_groups(self.model, train.weight_decay)
         self.compiled = compiles_blocks(config.model.compile, self.device, train.checkpointing)
         self.sharded = parallelize(
@@ -164,7 +193,7 @@ class Trainer:
             offload_params=offload == "params",
         )
 
-        # 5. the optimizer side (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
+        # 6. the optimizer side (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
         self.zero: ZeroOptimizer | None = None
         if offload != "none" and (threads := launch.use_host_threads()):
             logger.info("offload: the CPU step runs on %d threads on this rank", threads)
@@ -196,26 +225,13 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.consecutive_skips = 0
-        if config.checkpoint.resume and not config.checkpoint.out:
-            raise ConfigError("--resume needs --out DIR, the run directory to continue")
-        run_dir = config.checkpoint.out or default_run_dir(self.model_config.name)
-        if self.world.distributed:  # one run directory: rank 0's default name
-            shared = [run_dir]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            run_dir = shared[0]
-        self.run_dir = Path(run_dir)
-        if not config.checkpoint.resume and ckpt.find_checkpoint(self.run_dir) is not None:
-            raise ConfigError(
-                f"{str(self.run_dir)!r} already holds a run with checkpoints; pass --resume to continue it, "
-                "or choose another --out"
-            )
         self.peak_flops = device_peak_flops(self.device)
         self.flops_per_token = self.model_config.flops_per_token(config.data.seq_len)
 
-        # 6. resume
+        # 7. resume
         self.resumed_from: Path | None = None
-        if config.checkpoint.resume:
-            self._resume()
+        if self.resume_from is not None:
+            self._resume(*self.resume_from)
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -250,8 +266,16 @@ class Trainer:
             def write_sharded(directory: Path) -> None:
                 save_zero(directory, self.model, self.zero, extra=extra)
 
+        bad = self._nonfinite()
+        if bad is not None:
+            raise TrainingDiverged(
+                f"step {self.step} made {bad} NaN or inf, so no checkpoint was written for it; "
+                f"{self._divergence_advice(self.step)} (or raise the warmup, or check the data)"
+            )
         return ckpt.save_checkpoint(
             self.run_dir,
+            expected_bytes=self.checkpoint_bytes(),
+            known_good=self.known_good,
             step=self.step,
             model=self.model,
             model_config=self.model_config,
@@ -263,15 +287,150 @@ class Trainer:
             write_sharded=write_sharded,
             is_main=self.world.is_main,
             barrier=self._barrier,
+            any_rank=lambda flag: bool(launch.agree(torch.tensor(float(flag), device=self.device))),
         )
 
-    def _resume(self) -> None:
-        checkpoint = ckpt.find_checkpoint(self.run_dir)
-        if checkpoint is None:
+    def _on_main(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run by rank 0 alone (file system checks, checkpoint verification), its result
+        or its error given to every rank, so that all ranks go on or stop together."""
+        result: Any = None
+        error: Exception | None = None
+        if self.world.is_main:
+            try:
+                result = fn()
+            except (ValueError, OSError, ckpt.CheckpointError) as failure:
+                error = failure
+        if self.world.distributed:
+            box = [(result, error)]
+            torch.distributed.broadcast_object_list(box, src=0)
+            result, error = box[0]
+        if error is not None:
+            raise error
+        return result
+
+    def _run_directory(self) -> Path:
+        checkpoint = self.config.checkpoint
+        resuming = checkpoint.resume or checkpoint.resume_from
+        if resuming and not checkpoint.out:
+            raise ConfigError("--resume needs --out DIR, the run directory to continue")
+        run_dir = Path(checkpoint.out or default_run_dir(self.model_config.name))
+        if self.world.distributed:  # one run directory: rank 0's default name
+            shared = [run_dir]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            run_dir = shared[0]
+
+        def check() -> None:
+            if run_dir.exists() and not run_dir.is_dir():
+                raise ConfigError(f"--out {str(run_dir)!r} is a file, not a run directory")
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                probe = run_dir / f".memfit-write-test-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as error:
+                raise ConfigError(
+                    f"cannot write to the run directory {str(run_dir)!r}: "
+                    f"{error.strerror or error}; choose another --out"
+                ) from None
+            if not resuming and ckpt.find_checkpoint(run_dir) is not None:
+                raise ConfigError(
+                    f"{str(run_dir)!r} already holds a run with checkpoints; pass --resume to "
+                    "continue it, or choose another --out"
+                )
+
+        self._on_main(check)
+        return run_dir
+
+    def _choose_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
+        """The checkpoint to resume from (checkpoint.resume_from: latest, latest-valid, step_N),
+        verified in full; ConfigError when it is already at or past train.steps."""
+        which = self.config.checkpoint.resume_from or "latest"
+        ckpt.remove_partial(self.run_dir / "checkpoints")
+        chosen = ckpt.select_checkpoint(self.run_dir, which)
+        if chosen is None:
             logger.warning("--resume: no checkpoint in %s; starting from step 0", self.run_dir)
-            return
-        meta = ckpt.read_meta(checkpoint)
+            return None
+        checkpoint, meta = chosen
         ckpt.check_model_matches(meta, self.model_config, checkpoint)
+        steps = self.config.train.steps
+        if int(meta["step"]) > steps:
+            raise ConfigError(
+                f"--steps {steps}, but the run in {str(self.run_dir)!r} is already at step "
+                f"{meta['step']} ({checkpoint.name}): --steps is the run's total; pass more than "
+                f"{meta['step']} to train further"
+            )
+        return checkpoint, meta
+
+    def checkpoint_bytes(self) -> int:
+        """About how many bytes one checkpoint of this run takes: the fp32 weights, the
+        optimizer state, and (ZeRO) the parameters again in the sharded state."""
+        from memfit.optim.registry import get_optimizer
+
+        params = self.model_config.num_params
+        state = get_optimizer(self.config.train.optimizer).state_bytes_per_param
+        sharded = self.world.distributed or self.config.distributed.offload != "none"
+        return int(params * (4 + state + (4 if sharded else 0))) + (1 << 20)
+
+    def _check_free_space(self) -> None:
+        need, keep = self.checkpoint_bytes(), self.config.checkpoint.keep
+        free = ckpt.free_bytes(self.run_dir)
+        if free < need:
+            logger.warning(
+                "a checkpoint of this run takes about %s and %s has %s free: saving will fail "
+                "(free space, or choose another --out)",
+                ckpt.gib(need), self.run_dir, ckpt.gib(free),
+            )  # fmt: skip
+        elif free < need * (keep + 1):
+            logger.warning(
+                "a checkpoint of this run takes about %s; keeping %d of them while writing the "
+                "next needs about %s, and %s has %s free",
+                ckpt.gib(need), keep, ckpt.gib(need * (keep + 1)), self.run_dir, ckpt.gib(free),
+            )  # fmt: skip
+
+    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's parameters as the optimizer holds them (ZeRO: its shards) and their
+        optimizer state, named."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        tensors = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                name = names.get(id(param), f"group {g} shard {i} on rank {self.world.rank}")
+                tensors.append((name, param))
+                for key, value in self.optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        tensors.append((f"{name} (optimizer {key})", value))
+        return tensors
+
+    def _nonfinite(self) -> str | None:
+        """The first parameter or optimizer state holding NaN or inf, on any rank; None if all
+        are finite."""
+        bad = ckpt.nonfinite(self._state_tensors())
+        flag = torch.tensor(float(bad is not None), device=self.device)
+        if bool(launch.agree(flag)):
+            return bad or "a tensor of another rank"
+        return None
+
+    def _divergence_advice(self, step: int) -> str:
+        """What a run whose values became NaN or inf in `step` can go on from, truthfully. The
+        checkpoint of the step before holds the weights that step started from, which gave them:
+        resuming from it fails the same way whatever the learning rate, so the newest one
+        before it is named."""
+        complete = ckpt.complete_checkpoints(self.run_dir / "checkpoints")
+        before = [c for c in complete if c.name < f"step_{step - 1:07d}"]
+        suspect = [c.name for c in complete if c.name == f"step_{step - 1:07d}"]
+        said = (
+            f"checkpoint {suspect[0]} holds the weights step {step} started from (resuming from "
+            "it fails the same way, whatever the --lr); "
+            if suspect
+            else ""
+        )
+        if not before:
+            return f"{said}no checkpoint before: start afresh with a lower --lr"
+        return (
+            f"{said}go on from {before[-1].name} with a lower --lr: --resume-from {before[-1].name}"
+        )
+
+    def _resume(self, checkpoint: Path, meta: dict[str, Any]) -> None:
         sharded = ckpt.is_sharded(checkpoint)
         if sharded and self.zero is None:
             raise ConfigError(
@@ -291,7 +450,14 @@ class Trainer:
             ckpt.load_model_weights(checkpoint, self.model)
             state = ckpt.load_trainer_state(checkpoint)
             self.optimizer.load_state_dict(state["optimizer"])
+        bad = self._nonfinite()
+        if bad is not None:
+            raise ckpt.CheckpointError(
+                f"checkpoint {str(checkpoint)!r} holds NaN or inf in {bad}: it cannot be "
+                "trained from; resume from an earlier one with --resume-from step_N"
+            )
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_configured_lr()
         self.scaler.load_state_dict(state["scaler"])
         self.batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng_cpu"])
@@ -300,7 +466,23 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.resumed_from = checkpoint
+        self.known_good.add(checkpoint.name)
         logger.info("resumed from %s at step %d", checkpoint, self.step)
+
+    def _apply_configured_lr(self) -> None:
+        """A resumed run takes its peak learning rate from the configuration, not from the
+        checkpoint's schedule (so that a lower --lr after a divergence takes effect)."""
+        lr, saved = self.config.train.lr, self.scheduler.base_lrs
+        if all(base == lr for base in saved):
+            return
+        logger.warning(
+            "learning rate %g from the configuration (the checkpoint's: %g)", lr, saved[0]
+        )
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [lr] * len(saved)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"], group["lr"] = lr, lr * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # -- training ---------------------------------------------------------------------------
 
@@ -381,10 +563,18 @@ class Trainer:
                 )
         else:
             self.consecutive_skips = 0
+            grad_norm = float(result.grad_norm)
+            if math.isfinite(loss_value) and not math.isfinite(grad_norm):
+                raise TrainingDiverged(
+                    f"the gradient norm became {grad_norm} at step {self.step} ({self.precision}), "
+                    f"so nothing was saved for it; {self._divergence_advice(self.step)} (or raise "
+                    "the warmup, or check the data)"
+                )
             if not math.isfinite(loss_value):
                 raise TrainingDiverged(
-                    f"loss became {loss_value} at step {self.step} ({self.precision}); nothing was saved for "
-                    "this step. Lower --lr, raise warmup, or check the data; --resume restarts from the last checkpoint"
+                    f"loss became {loss_value} at step {self.step} ({self.precision}), so nothing "
+                    f"was saved for it; {self._divergence_advice(self.step)} (or raise "
+                    "the warmup, or check the data)"
                 )
         allocated, peak = memory_stats(self.device)
         tokens_per_s = num_tokens / elapsed
@@ -405,7 +595,8 @@ class Trainer:
 
     def fit(self, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         """Train until `train.steps`, writing metrics.jsonl and checkpoints. Returns this call's
-        step metrics."""
+        step metrics. SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) ends it after the
+        current step with a checkpoint, all ranks at the same step, and sets `stopped_by`."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = self.run_dir / "metrics.jsonl"
         if self.world.is_main:  # one metrics file per run, written by rank 0
@@ -414,7 +605,8 @@ class Trainer:
             metrics_path = Path(os.devnull)
         every = self.config.checkpoint.save_every
         history: list[StepMetrics] = []
-        with metrics_path.open("a") as metrics_file:
+        saved_at = None
+        with metrics_path.open("a") as metrics_file, _StopSignals() as signals:
             while self.step < self.config.train.steps:
                 metrics = self.train_step()
                 history.append(metrics)
@@ -424,23 +616,92 @@ class Trainer:
                     on_step(metrics)
                 if every and self.step % every == 0 and self.step < self.config.train.steps:
                     self.save()
-        if history or self.resumed_from is None:
+                    saved_at = self.step
+                if self._agree_to_stop(signals.received):
+                    self.stopped_by = signals.received or "a signal to another rank"
+                    logger.warning(
+                        "%s: stopping after step %d with a checkpoint (the same signal again "
+                        "ends the run at once, without one)", self.stopped_by, self.step,
+                    )  # fmt: skip
+                    break
+        if saved_at != self.step and (history or self.resumed_from is None):
             self.save()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         return history
+
+    stopped_by: str | None = None
+    """The signal that ended the last `fit` early (e.g. "SIGTERM"), None if it ran to the end."""
+
+    def _agree_to_stop(self, received: str | None) -> bool:
+        flag = torch.tensor(float(received is not None), device=self.device)
+        return bool(launch.agree(flag))
 
     def _prepare_metrics_file(self, path: Path) -> None:
         """Fresh run: start the file anew. Resumed run: keep the lines up to the resumed step, so
-        the file reads as one uninterrupted run."""
+        the file reads as one uninterrupted run; a last line cut short by a crash is dropped."""
         if not path.exists():
             return
         if self.step == 0:
             path.unlink()
             return
-        kept = [
-            line
-            for line in path.read_text().splitlines()
-            if line and json.loads(line)["step"] <= self.step
-        ]
+        lines = path.read_text(errors="replace").splitlines()
+        kept = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError) as error:
+                if number == len(lines):  # a crash cut the last line
+                    logger.warning("%s:%d is cut short (a crash mid-write); dropped", path, number)
+                    continue
+                raise ValueError(
+                    f"{str(path)}:{number} is not a metrics line ({error}); remove or fix it"
+                ) from None
+            if step <= self.step:
+                kept.append(line)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
+
+
+class _StopSignals:
+    """Within the block, SIGTERM and SIGINT set `received` (the signal's name) instead of
+    ending the process; the same signal again, a second or more later, ends it at once, as if
+    unhandled. Copies within that second are one event: a terminal's Ctrl-C reaches torchrun's
+    workers twice (from the terminal, and forwarded by torchrun), as a scheduler's SIGTERM may.
+    Outside the main thread it does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SAME_EVENT_S = 1.0
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._first: dict[int, float] = {}
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if signum in self._first:
+            if now - self._first[signum] >= self.SAME_EVENT_S:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        self._first[signum] = now
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            logger.warning(
+                "%s received: finishing the current step, then saving a checkpoint",
+                self.received,
+            )
