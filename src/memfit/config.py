@@ -374,7 +374,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as error:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{str(path)!r} is not valid TOML: {error}") from None
 
 

@@ -33,12 +33,12 @@ SMALL = ["--seq-len", "32", "--micro-batch", "2", "--device", "cpu", "--precisio
 
 def config(
     out, *, steps=4, save_every=1, resume=False, resume_from="", lr=3e-3, device="cpu",
-    precision="fp32", **sections,
+    precision="fp32", optimizer="adamw", **sections,
 ):  # fmt: skip
     flags = {
         "data": {"seq_len": 32},
         "train": {"steps": steps, "micro_batch": 2, "warmup_steps": 1, "device": device,
-                  "precision": precision, "lr": lr},
+                  "precision": precision, "lr": lr, "optimizer": optimizer},
         "checkpoint": {"out": str(out), "save_every": save_every, "resume": resume,
                        "resume_from": resume_from},
         **sections,
@@ -254,7 +254,7 @@ def test_a_damaged_file_is_refused_and_the_newest_valid_one_named(tmp_path, refe
         _, info = load_pretrained(out, device="cpu", dtype=torch.float32)
         assert info.step == 4
     else:
-        with pytest.raises(ckpt.CheckpointError, match="step_0000004"):
+        with pytest.raises(ckpt.CheckpointError, match="step_0000004.*step_0000003.*pass it"):
             load_pretrained(out, device="cpu", dtype=torch.float32)
 
 
@@ -281,6 +281,37 @@ def test_an_unchecked_newer_checkpoint_does_not_push_out_a_good_one(tmp_path, re
     names = sorted(p.name for p in ckpt.complete_checkpoints(root))
     assert names == ["step_0000003", "step_0000004", "step_0000005"]
     assert (root / "latest").read_text().strip() == "step_0000004"
+
+
+def test_resuming_with_another_optimizer_is_refused(tmp_path, reference):
+    out = fresh_copy(reference[2], tmp_path)
+    with pytest.raises(ConfigError, match="trained with --optimizer adamw.*resume with --opt"):
+        Trainer(config(out, steps=6, resume=True, optimizer="sgd"))
+
+
+def test_a_second_run_into_the_same_directory_is_refused(tmp_path, reference):
+    out = fresh_copy(reference[2], tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); f.write('pid 1\\n'); f.flush(); print('held', "
+         "flush=True); time.sleep(60)", str(out / ".lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match="is in use by another memfit run"):
+            Trainer(config(out, steps=6, resume=True))
+    finally:
+        holder.kill()
+    assert Trainer(config(out, steps=6, resume=True)).step == 4
+
+
+def test_what_is_in_the_way_of_a_run_is_named_before_training(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("")
+    with pytest.raises(ConfigError, match="checkpoints' is in the way"):
+        Trainer(config(out))
 
 
 def test_resume_from_names_what_exists(tmp_path, reference):
@@ -346,8 +377,8 @@ def test_a_full_disk_is_said_before_writing_and_loses_nothing(tmp_path, monkeypa
     with pytest.raises(ckpt.CheckpointError) as full:
         trainer.save()
     message = str(full.value)
-    assert "no space left on device: a checkpoint needs about 0.01 GiB at" in message
-    assert "0.00 GiB free" in message and "step_0000001 is kept" in message
+    assert "no space left on device: a checkpoint needs about 10.2 MiB at" in message
+    assert "1.0 MiB free" in message and "step_0000001 is kept" in message
     assert ckpt.select_checkpoint(out)[0] == good
     assert not list((out / "checkpoints").glob("*.tmp"))
 
@@ -369,9 +400,42 @@ def test_enospc_mid_write_removes_the_partial_checkpoint(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(ckpt, "save_file", full)
-    with pytest.raises(ckpt.CheckpointError, match="no space left on device.*GiB free"):
+    with pytest.raises(ckpt.CheckpointError, match="no space left on device.*B free"):
         trainer.save()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_0000001"]
+
+
+@pytest.mark.parametrize(
+    "writer, error",
+    [  # what torch.save and safetensors raise when the disk fills under them
+        ("torch", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9 vs 7")),
+        ("torch", RuntimeError("basic_ios::clear: iostream error")),
+        ("safetensors", Exception('Error while serializing: IoError(Os { code: 28, kind: '
+                                  'StorageFull, message: "No space left on device" })')),
+    ],
+)  # fmt: skip
+def test_a_full_disk_under_torch_save_or_safetensors_is_said(tmp_path, monkeypatch, writer, error):
+    out = tmp_path / "run"
+    trainer = Trainer(config(out, steps=2, save_every=0))
+    trainer.train_step()
+    trainer.save()
+    trainer.train_step()
+    disk = {"full": False}  # room enough before the save; full once the write failed
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 1 << 20 if disk["full"] else 1 << 40)
+
+    def fails(*args, **kwargs):
+        disk["full"] = True
+        raise error
+
+    if writer == "torch":
+        monkeypatch.setattr(torch, "save", fails)
+    else:
+        monkeypatch.setattr(ckpt, "save_file", fails)
+    with pytest.raises(ckpt.CheckpointError) as full:
+        trainer.save()
+    assert "could not save the checkpoint of step 2: no space left on device" in str(full.value)
+    assert "step_0000001 is kept" in str(full.value)
+    assert not list((out / "checkpoints").glob("*.tmp"))
 
 
 def test_an_unwritable_run_directory_is_refused_before_anything_is_built(tmp_path, monkeypatch):

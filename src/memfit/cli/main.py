@@ -13,7 +13,7 @@ from rich.text import Text
 
 from memfit import __version__
 
-console = Console(stderr=False)
+console = Console(stderr=False, emoji=False)  # ":x:" in a path stays ":x:"
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -315,7 +315,7 @@ _INPUT_ERRORS = (
 def _print_error(label: str, message: str) -> None:
     """`label: message` on stderr, the message literally: it holds paths, keys and text that came
     from the user, which rich would otherwise read as markup ("[train]", "[/]")."""
-    Console(stderr=True, soft_wrap=True).print(
+    Console(stderr=True, soft_wrap=True, emoji=False).print(
         Text.assemble((label, "bold red"), " ", message), highlight=False
     )
 
@@ -325,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",
-        handlers=[RichHandler(console=Console(stderr=True), show_path=False, show_time=False)],
+        handlers=[
+            RichHandler(console=Console(stderr=True, emoji=False), show_path=False, show_time=False)
+        ],
     )
     import torch
 

@@ -152,7 +152,7 @@ def load_pretrained(
     `device` and `dtype`). Raises FileNotFoundError for what is absent and ValueError for what
     does not fit, naming it, and memfit.train.checkpoint.CheckpointError for a partial memfit
     checkpoint; nothing is returned half-loaded."""
-    from memfit.train.checkpoint import find_checkpoint
+    from memfit.train.checkpoint import CheckpointError, find_checkpoint
 
     directory = Path(path)
     if not directory.is_dir():
@@ -167,7 +167,12 @@ def load_pretrained(
         return _load_huggingface(directory, device, dtype, attention)
     checkpoint = find_checkpoint(directory)
     if checkpoint is not None:
-        return _load_memfit(checkpoint, device, dtype, attention)
+        try:
+            return _load_memfit(checkpoint, device, dtype, attention)
+        except CheckpointError as error:
+            if checkpoint == directory:
+                raise
+            raise CheckpointError(f"{error}{_earlier_weights(checkpoint)}") from None
     hint = (
         "; its checkpoints/ holds no complete checkpoint"
         if (directory / "checkpoints").is_dir()
@@ -177,6 +182,22 @@ def load_pretrained(
         f"{str(directory)!r} has no config.json (a Hugging Face checkpoint) and is no memfit "
         f"training checkpoint (meta.json, or a run directory with checkpoints/){hint}"
     )
+
+
+def _earlier_weights(checkpoint: Path) -> str:
+    """'; ... pass RUN/checkpoints/step_N': the newest checkpoint of the run before `checkpoint`
+    whose weights pass verification, for an error about `checkpoint`; '' if there is none."""
+    from memfit.train.checkpoint import CheckpointError, complete_checkpoints, read_meta
+
+    for earlier in reversed(complete_checkpoints(checkpoint.parent)):
+        if earlier.name >= checkpoint.name:
+            continue
+        try:
+            read_meta(earlier)
+        except CheckpointError:
+            continue
+        return f"; the newest earlier checkpoint whose weights verify is {str(earlier)!r}: pass it"
+    return ""
 
 
 def check_tensor_shapes(

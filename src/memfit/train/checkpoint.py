@@ -88,7 +88,7 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def free_bytes(path: Path) -> int:
@@ -157,6 +157,9 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:07d}"
     tmp = root / f"step_{step:07d}.tmp"
+    previous = newest_complete(root)
+    if previous == final:  # re-saving a step: what is kept is the one before it
+        previous = ([p for p in complete_checkpoints(root) if p.name < final.name] or [None])[-1]
 
     def prepare() -> None:
         if is_main:
@@ -187,7 +190,7 @@ def save_checkpoint(
         try:
             phase()
         except Exception as failure:
-            error = _os_error(failure)
+            error = _os_error(failure, root)
             if error is None:
                 raise
             if is_main:
@@ -199,7 +202,6 @@ def save_checkpoint(
             failed = CheckpointError(f"could not save the checkpoint of step {step}: {reason}")
             failed.__cause__ = failure
         if any_rank(failed is not None):
-            previous = newest_complete(root)
             kept = f"; the previous checkpoint {previous.name} is kept" if previous else ""
             said = failed or f"could not save the checkpoint of step {step}: another rank failed"
             raise CheckpointError(f"{said}; the partial {tmp.name} was removed{kept}") from (
@@ -220,19 +222,38 @@ def _meta_hash(meta: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _os_error(error: BaseException) -> OSError | None:
-    """The OSError behind a failed write: itself, or one a rank raised inside
-    torch.distributed.checkpoint (which wraps every rank's failure in a CheckpointException)."""
+# How torch.save and safetensors report a write that failed (a full disk among the causes): in
+# their own error types, whose text is all there is to go by.
+_WRITE_FAILED = (
+    "No space left",
+    "StorageFull",
+    "unexpected pos",
+    "iostream error",
+    "failed writing",
+)
+
+
+def _os_error(error: BaseException, where: Path) -> OSError | None:
+    """The OSError behind a failed write: itself; one a rank raised inside
+    torch.distributed.checkpoint (which wraps every rank's failure in a CheckpointException);
+    or, for torch.save's and safetensors' own error types, ENOSPC when the file system of `where`
+    is (nearly) full and EIO otherwise. None for anything else (a bug keeps its traceback)."""
     if isinstance(error, OSError):
         return error
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(error, CheckpointException):
         for wrapped in error.failures.values():
-            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            if isinstance(inner, OSError):
+            inner = _os_error(wrapped[0] if isinstance(wrapped, tuple) else wrapped, where)
+            if inner is not None:
                 return inner
-    return None
+        return None
+    text = str(error)
+    if not any(mark in text for mark in _WRITE_FAILED):
+        return None
+    full = "No space left" in text or "StorageFull" in text or free_bytes(where) < 64 << 20
+    code = errno.ENOSPC if full else errno.EIO
+    return OSError(code, os.strerror(code) if full else text.strip().splitlines()[-1])
 
 
 def _write_main(
@@ -365,7 +386,9 @@ def read_meta(checkpoint: Path, *, files: Literal["weights", "all"] = "weights")
         raise CheckpointError(f"checkpoint {where!r} is partial: a file of it is missing")
     for name in sizes if files == "all" else [_WEIGHTS]:
         path = checkpoint / name
-        actual = path.stat().st_size if path.is_file() else None
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {where!r} is partial: {name} is missing")
+        actual = path.stat().st_size
         if name in sizes and actual != sizes[name]:
             raise CheckpointError(
                 f"checkpoint {where!r} is partial or corrupt: {name} has {actual} bytes, "
@@ -431,10 +454,27 @@ def _newest_valid(
         if before is not None and candidate.name >= before:
             continue
         try:
-            return candidate, read_meta(candidate, files="all")
+            meta = read_meta(candidate, files="all")
         except CheckpointError as error:
             logger.warning("skipped: %s", error)
+            continue
+        bad = nonfinite(load_file(str(candidate / _WEIGHTS)).items())
+        if bad is not None:
+            logger.warning("skipped: checkpoint %s holds NaN or inf in %s", candidate, bad)
+            continue
+        return candidate, meta
     return None
+
+
+def saved_optimizer(checkpoint: Path) -> str | None:
+    """The optimizer a checkpoint was trained with (its config.toml), None if it does not say."""
+    from memfit.config import tomllib
+
+    try:
+        with (checkpoint / "config.toml").open("rb") as f:
+            return tomllib.load(f)["train"]["optimizer"]
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def check_model_matches(meta: dict[str, Any], model_config: ModelConfig, checkpoint: Path) -> None:

@@ -332,6 +332,14 @@ class Trainer:
                     f"cannot write to the run directory {str(run_dir)!r}: "
                     f"{error.strerror or error}; choose another --out"
                 ) from None
+            for name, kind in (("checkpoints", "directory"), ("metrics.jsonl", "file")):
+                entry = run_dir / name
+                if entry.exists() and entry.is_dir() != (kind == "directory"):
+                    raise ConfigError(
+                        f"{str(entry)!r} is in the way: the run writes a {kind} there; remove "
+                        "it, or choose another --out"
+                    )
+            self._lock = _RunLock(run_dir)
             if not resuming and ckpt.find_checkpoint(run_dir) is not None:
                 raise ConfigError(
                     f"{str(run_dir)!r} already holds a run with checkpoints; pass --resume to "
@@ -352,6 +360,13 @@ class Trainer:
             return None
         checkpoint, meta = chosen
         ckpt.check_model_matches(meta, self.model_config, checkpoint)
+        saved = ckpt.saved_optimizer(checkpoint)
+        if saved is not None and saved != self.config.train.optimizer:
+            raise ConfigError(
+                f"checkpoint {str(checkpoint)!r} was trained with --optimizer {saved}, and its "
+                f"state does not carry over to {self.config.train.optimizer!r}: resume with "
+                f"--optimizer {saved}, or start a fresh run from its weights"
+            )
         steps = self.config.train.steps
         if int(meta["step"]) > steps:
             raise ConfigError(
@@ -425,7 +440,7 @@ class Trainer:
             else ""
         )
         if not before:
-            return f"{said}no checkpoint before: start afresh with a lower --lr"
+            return f"{said}no checkpoint before: start afresh (another --out) with a lower --lr"
         return (
             f"{said}go on from {before[-1].name} with a lower --lr: --resume-from {before[-1].name}"
         )
@@ -454,7 +469,8 @@ class Trainer:
         if bad is not None:
             raise ckpt.CheckpointError(
                 f"checkpoint {str(checkpoint)!r} holds NaN or inf in {bad}: it cannot be "
-                "trained from; resume from an earlier one with --resume-from step_N"
+                "trained from; go on from an earlier one: --resume-from latest-valid (the newest "
+                "whose weights are finite) or --resume-from step_N"
             )
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_configured_lr()
@@ -620,8 +636,8 @@ class Trainer:
                 if self._agree_to_stop(signals.received):
                     self.stopped_by = signals.received or "a signal to another rank"
                     logger.warning(
-                        "%s: stopping after step %d with a checkpoint (the same signal again "
-                        "ends the run at once, without one)", self.stopped_by, self.step,
+                        "%s: saving a checkpoint of step %d, then stopping (the same signal "
+                        "again ends the run at once, without it)", self.stopped_by, self.step,
                     )  # fmt: skip
                     break
         if saved_at != self.step and (history or self.resumed_from is None):
@@ -651,19 +667,56 @@ class Trainer:
             if not line.strip():
                 continue
             try:
-                step = int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError) as error:
+                record = json.loads(line)
+            except ValueError as error:
                 if number == len(lines):  # a crash cut the last line
                     logger.warning("%s:%d is cut short (a crash mid-write); dropped", path, number)
                     continue
                 raise ValueError(
                     f"{str(path)}:{number} is not a metrics line ({error}); remove or fix it"
                 ) from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(
+                    f"{str(path)}:{number} is not a metrics line (no integer 'step'); remove or "
+                    "fix it"
+                )
+            step = record["step"]
             if step <= self.step:
                 kept.append(line)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
+
+
+class _RunLock:
+    """An exclusive lock on a run directory (`.lock`, flock) for the life of the process: a
+    run of another process into the same directory is refused instead of racing the first's
+    checkpoints. (Trainers of one process, as in tests, share it.)"""
+
+    _held: dict[Path, Any] = {}
+
+    def __init__(self, run_dir: Path) -> None:
+        import fcntl
+
+        path = (run_dir / ".lock").resolve()
+        if path in self._held:
+            return
+        self._file = path.open("a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise ConfigError(
+                f"{str(run_dir)!r} is in use by another memfit run ({holder}); wait for it to "
+                "end, or choose another --out"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()}\n")
+        self._file.flush()
+        self._held[path] = self._file
 
 
 class _StopSignals:

@@ -309,7 +309,7 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, monkeypat
 
 
 def test_an_engine_process_that_cannot_load_says_why(tmp_path):
-    with pytest.raises(RuntimeError, match="could not start: FileNotFoundError: no checkpoint"):
+    with pytest.raises(ValueError, match="could not start: FileNotFoundError: no checkpoint"):
         AsyncEngine.spawn(str(tmp_path / "missing"), device="cpu")
 
 

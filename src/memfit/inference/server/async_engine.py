@@ -217,6 +217,8 @@ class AsyncEngine:
         except EOFError:
             raise RuntimeError("the engine process exited before it was ready") from None
         if message[0] == "failed":
+            if message[2]:  # the model or an option the user gave: an error to say, not a bug
+                raise ValueError(f"the engine could not start: {message[1]}")
             raise RuntimeError(f"the engine process could not start: {message[1]}")
         _, ready, state = message
         self = cls.__new__(cls)

@@ -274,8 +274,13 @@ def engine_process(
             "block_size": llm.cache.block_size,
         }
     except BaseException as error:  # (the server's process raises it with this text)
+        from memfit.train.checkpoint import CheckpointError
+
+        # what a user's input causes (a missing or damaged checkpoint, a bad option) is said in
+        # one line; anything else is a bug, and the server shows it as one
+        said = isinstance(error, (ValueError, OSError, CheckpointError))
         for outbox in outboxes:
-            outbox.send(("failed", f"{type(error).__name__}: {error}"))
+            outbox.send(("failed", f"{type(error).__name__}: {error}", said))
         return
     core = EngineCore(llm.engine, [outbox.send for outbox in outboxes], **core_options)
     core.attach(PipeInbox(inboxes))
@@ -290,5 +295,7 @@ def configure_logging(level: int) -> None:
     from rich.console import Console
     from rich.logging import RichHandler
 
-    handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False)
+    handler = RichHandler(
+        console=Console(stderr=True, emoji=False), show_path=False, show_time=False
+    )
     logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
