@@ -559,12 +559,16 @@ class Trainer:
         if finite:  # a skipped step does not advance the schedule
             self.scheduler.step()
 
-        if self.world.distributed:  # the step's loss and tokens over all ranks
-            totals = torch.stack([loss_sum, torch.tensor(float(num_tokens), device=self.device)])
+        signalled = self._signals is not None and self._signals.received is not None
+        if self.world.distributed:  # the step's loss, tokens and stop signals over all ranks
+            counts = torch.tensor([float(num_tokens), float(signalled)], device=self.device)
+            totals = torch.cat([loss_sum.reshape(1), counts])
             torch.distributed.all_reduce(totals)
             loss_sum = totals[0] / self.world.world_size
-            num_tokens = int(totals[1].item())
+            num_tokens, signalled = int(totals[1].item()), bool(totals[2].item() > 0)
+        self.stop_agreed = signalled  # every rank stops after the same step
         loss_value = loss_sum.item()  # the one host sync of the step
+        grad_norm = float(result.grad_norm)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -579,7 +583,6 @@ class Trainer:
                 )
         else:
             self.consecutive_skips = 0
-            grad_norm = float(result.grad_norm)
             if math.isfinite(loss_value) and not math.isfinite(grad_norm):
                 raise TrainingDiverged(
                     f"the gradient norm became {grad_norm} at step {self.step} ({self.precision}), "
@@ -601,7 +604,7 @@ class Trainer:
             tokens_per_s=tokens_per_s,
             step_time_s=elapsed,
             lr=lr,
-            grad_norm=float(result.grad_norm),
+            grad_norm=grad_norm,
             mem_allocated_bytes=allocated,
             mem_peak_bytes=peak,
             loss_scale=self.scaler.scale_value if self.scaler.enabled else None,
@@ -622,7 +625,7 @@ class Trainer:
         every = self.config.checkpoint.save_every
         history: list[StepMetrics] = []
         saved_at = None
-        with metrics_path.open("a") as metrics_file, _StopSignals() as signals:
+        with metrics_path.open("a") as metrics_file, _StopSignals() as self._signals:
             while self.step < self.config.train.steps:
                 metrics = self.train_step()
                 history.append(metrics)
@@ -633,13 +636,14 @@ class Trainer:
                 if every and self.step % every == 0 and self.step < self.config.train.steps:
                     self.save()
                     saved_at = self.step
-                if self._agree_to_stop(signals.received):
-                    self.stopped_by = signals.received or "a signal to another rank"
+                if self.stop_agreed:
+                    self.stopped_by = self._signals.received or "a signal to another rank"
                     logger.warning(
                         "%s: saving a checkpoint of step %d, then stopping (the same signal "
                         "again ends the run at once, without it)", self.stopped_by, self.step,
                     )  # fmt: skip
                     break
+        self._signals = None
         if saved_at != self.step and (history or self.resumed_from is None):
             self.save()
         if self.heartbeat is not None:
@@ -648,10 +652,9 @@ class Trainer:
 
     stopped_by: str | None = None
     """The signal that ended the last `fit` early (e.g. "SIGTERM"), None if it ran to the end."""
-
-    def _agree_to_stop(self, received: str | None) -> bool:
-        flag = torch.tensor(float(received is not None), device=self.device)
-        return bool(launch.agree(flag))
+    stop_agreed = False
+    """Whether a rank had a stop signal at the last step (agreed in the step's all-reduce)."""
+    _signals: _StopSignals | None = None
 
     def _prepare_metrics_file(self, path: Path) -> None:
         """Fresh run: start the file anew. Resumed run: keep the lines up to the resumed step, so
