@@ -25,6 +25,7 @@ from memfit.ops.gemv import gemv
 from memfit.ops.rms_norm import add_rms_norm, rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
 from memfit.ops.swiglu import swiglu
+from memfit.ops.swiglu import swiglu as _swiglu  # linear's `swiglu` argument shadows it
 
 __all__ = [
     "AttentionBackend",
@@ -151,23 +152,36 @@ def attention(
     return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    swiglu: bool = False,
+    residual: Tensor | None = None,
+) -> Tensor:
     """F.linear(x, weight, bias); an x of one row (a batch-1 decode step) takes memfit's Triton
     matrix-vector product (memfit.ops.gemv) where Triton runs, the dtypes agree and no gradient
-    is needed."""
+    is needed. swiglu: weight is a fused gate/up projection and the result is swiglu of the
+    product. residual: added to the result (a residual branch's output projection). Either is
+    folded into the one-row kernel; otherwise they are the separate ops."""
+    out = weight.shape[0] // 2 if swiglu else weight.shape[0]
     if (
         x.numel() == x.shape[-1] == weight.shape[1]
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == x.dtype)
+        and (residual is None or (residual.dtype == x.dtype and residual.numel() == out))
         and weight.stride(1) == 1
         and not (
             torch.is_grad_enabled()
-            and any(t.requires_grad for t in (x, weight, bias) if t is not None)
+            and any(t.requires_grad for t in (x, weight, bias, residual) if t is not None)
         )
         and use_triton(x)
     ):
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, swiglu=swiglu, residual=residual)
+    y = F.linear(x, weight, bias)
+    y = _swiglu(y) if swiglu else y
+    return y if residual is None else residual + y
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metadata=None) -> Tensor:

@@ -568,9 +568,12 @@ def test_a_second_signal_ends_the_run_at_once(tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, "-m", "memfit", "train", "--out", str(out), "--device", "cpu",
-         "--precision", "fp32", "--seq-len", "256", "--micro-batch", "8", "--steps", "10000"],
+         "--precision", "fp32", "--seq-len", "256", "--micro-batch", "8", "--grad-accum", "32",
+         "--steps", "10000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    # steps of 32 micro-batches (seconds each): the second signal must come while the step the
+    # first one let finish still runs, not after the run has saved and exited
     wait_for_steps(process, out, 1)
     process.send_signal(signal.SIGTERM)
     for line in process.stderr:  # the first is heard: the run finishes its step, then saves

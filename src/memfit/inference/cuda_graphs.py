@@ -23,6 +23,7 @@ from torch import Tensor
 
 from memfit.inference.paged_cache import PagedKVCache
 from memfit.nn.attention import AttentionMetadata
+from memfit.ops._triton import programmatic_launch
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -98,9 +99,10 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.cache.device)
 
     def _forward(self, batch: int) -> Tensor:
-        logits = self.model(
-            self.tokens[:, :batch], metadata=self._metadata(batch), kv_cache=self.cache
-        )
+        with programmatic_launch():  # the weights stay constant during a step
+            logits = self.model(
+                self.tokens[:, :batch], metadata=self._metadata(batch), kv_cache=self.cache
+            )
         return logits[0]  # (batch, vocab)
 
     def bucket(self, batch: int) -> int | None:
@@ -276,10 +278,11 @@ class StepGraphs:
             max_query_len=tokens,
             max_seq_len=self.max_seq_len,
         )
-        logits = self.model(
-            rows[0:1, :tokens], metadata=metadata, kv_cache=self.cache,
-            logits_at=self._seqs[2, :seqs],
-        )  # fmt: skip
+        with programmatic_launch():
+            logits = self.model(
+                rows[0:1, :tokens], metadata=metadata, kv_cache=self.cache,
+                logits_at=self._seqs[2, :seqs],
+            )  # fmt: skip
         return logits[0]  # (seqs, vocab)
 
     @torch.inference_mode()

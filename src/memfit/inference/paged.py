@@ -9,6 +9,7 @@ from torch import Tensor
 
 from memfit.inference.paged_cache import PagedKVCache
 from memfit.inference.sampling_params import SamplingParams
+from memfit.ops._triton import programmatic_launch
 
 
 @torch.inference_mode()
@@ -21,7 +22,8 @@ def paged_step(
     metadata = cache.step_metadata(seq_ids, [len(t) for t in tokens])
     flat = torch.tensor([t for row in tokens for t in row], device=cache.device)[None]  # (1, T)
     ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
-    logits = model(flat, metadata=metadata, kv_cache=cache, logits_at=ends.to(cache.device))
+    with programmatic_launch():  # the weights stay constant during the step
+        logits = model(flat, metadata=metadata, kv_cache=cache, logits_at=ends.to(cache.device))
     return logits[0]  # (sequences, vocab)
 
 

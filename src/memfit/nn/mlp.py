@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch.nn as nn
 from torch import Tensor
 
-from memfit import functional as MF
 from memfit.nn.linear import Linear
 
 
@@ -20,5 +19,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_up = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(MF.swiglu(self.gate_up(x)))
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """down(swiglu(gate_up(x))) (+ residual): at one row (a batch-1 decode step) the
+        SwiGLU runs inside gate_up's matrix-vector kernel and the add inside down's."""
+        return self.down(self.gate_up(x, swiglu=True), residual=residual)

@@ -12,8 +12,10 @@ path), how they launch, and small layout and dtype helpers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
+import threading
 import types
 from collections.abc import Iterator
 
@@ -28,7 +30,15 @@ except ImportError:  # no triton on this platform (macOS): kernels are defined, 
     HAS_TRITON = False
     triton = types.SimpleNamespace(jit=lambda fn: fn, autotune=None, Config=None)
     tl = types.SimpleNamespace(constexpr=None)
+try:  # grid dependency control (Hopper and later): programmatic dependent launch
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # an older triton, or none: kernels are never launched with PDL
+    HAS_GDC = False
+    gdc_launch_dependents = gdc_wait = None
 _cpu_requested = False
+_pdl_scope = threading.local()
 
 
 def interpreter_enabled() -> bool:
@@ -62,9 +72,53 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return use_triton_on(tensor.device)
 
 
+@contextlib.contextmanager
+def programmatic_launch() -> Iterator[None]:
+    """Launch the decode-step kernels with programmatic dependent launch (PDL) where the GPU
+    has it (compute capability 9.0 and later; MEMFIT_PDL=0 turns it off), in this thread.
+
+    A decode step of a small model is a chain of ~150 short kernels, and between two of them the
+    GPU idles while the last programs of one drain and the next one starts. Launched with PDL, a
+    kernel starts while the one before it still runs: its programs read what no kernel of the
+    step writes (a matrix-vector product's first weight tile) and then wait (`gdc_wait`) until
+    the kernel before has finished and its writes are visible. Every kernel that takes part
+    writes nothing and reads no activation before its wait, so the results are those of plain
+    launches. Only the inference engine asks for it: it knows that the weights stay constant
+    during a step (an all-gather or an optimizer step writes them in training)."""
+    previous = getattr(_pdl_scope, "on", False)
+    _pdl_scope.on = True
+    try:
+        yield
+    finally:
+        _pdl_scope.on = previous
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launched now on `device` use programmatic dependent launch."""
+    return (
+        getattr(_pdl_scope, "on", False)
+        and device.type == "cuda"
+        and _pdl_supported(device.index if device.index is not None else -1)
+    )
+
+
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    if not (HAS_GDC and torch.cuda.is_available()) or interpreter_enabled():
+        return False
+    if os.environ.get("MEMFIT_PDL", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    index = torch.cuda.current_device() if index < 0 else index
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **meta) -> None:
     """kernel[grid](*args, **meta) on `device`: Triton launches on the current CUDA device, so
-    switch to the tensors' device if it is another one. On CPU (interpreter) just call it."""
+    switch to the tensors' device if it is another one. On CPU (interpreter) just call it. A
+    kernel given PDL=True (its constexpr that guards gdc_wait and gdc_launch_dependents) is
+    launched with programmatic dependent launch (`programmatic_launch`)."""
+    if meta.get("PDL"):
+        meta["launch_pdl"] = True
     if (
         device.type == "cuda"
         and device.index is not None

@@ -18,7 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import launch, round_to_bf16, tl, triton
+from memfit.ops._triton import (
+    gdc_launch_dependents,
+    gdc_wait,
+    launch,
+    pdl_enabled,
+    round_to_bf16,
+    tl,
+    triton,
+)
 
 __all__ = ["rotary_paged_write"]
 
@@ -50,9 +58,14 @@ def _rotary_paged_write_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (token block, head block): head blocks [0, q) are q's, [q, q + kv) k's, the rest
-    v's. qkv: (tokens, (heads_q + 2 heads_kv) * 2 HALF), rows q | k | v; tables (tokens, 2 HALF)."""
+    v's. qkv: (tokens, (heads_q + 2 heads_kv) * 2 HALF), rows q | k | v; tables (tokens, 2 HALF).
+    PDL: launched early, it waits for the kernel before before it reads."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token_block = tl.program_id(0)
     head_block = tl.program_id(1)
     is_q = head_block < q_head_blocks
@@ -168,6 +181,6 @@ def rotary_paged_write(
         heads_kv * head_dim, head_dim,
         HALF=half, BLOCK_TOKENS=block_tokens, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
         ROUND_BF16_BY_HAND=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16,
-        num_warps=num_warps, enable_fp_fusion=False,
+        PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q

@@ -49,7 +49,10 @@ from torch import Tensor
 
 from memfit.ops._triton import (
     HAS_TRITON,
+    gdc_launch_dependents,
+    gdc_wait,
     launch,
+    pdl_enabled,
     promoted_dtype,
     round_to_bf16,
     rows_view,
@@ -92,9 +95,14 @@ def _rms_norm_forward_kernel(
     BLOCK_HIDDEN: tl.constexpr,
     RESIDUAL: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """RESIDUAL: x is first replaced by x + branch, rounded to x's dtype (as torch's add
-    rounds) and stored to sum; the norm is then that of the stored sum."""
+    rounds) and stored to sum; the norm is then that of the stored sum. PDL: launched early
+    (programmatic dependent launch), it waits for the kernel before before it reads."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row_index = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     col_index = tl.arange(0, BLOCK_HIDDEN)
     row_mask = row_index < rows
@@ -256,6 +264,7 @@ def rms_norm_forward(x2d: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, T
 
 
 def _launch_forward(x2d, weight, eps, y, rstd, branch=None, total=None) -> None:
+    """The forward kernel; with PDL inside the engine's `programmatic_launch` (no gradient)."""
     rows, hidden = x2d.shape
     block_rows, block_hidden, num_warps = _tile(rows, hidden)
     residual = branch is not None
@@ -266,7 +275,7 @@ def _launch_forward(x2d, weight, eps, y, rstd, branch=None, total=None) -> None:
         branch.stride(0), total.stride(0), eps,
         BLOCK_ROWS=block_rows, BLOCK_HIDDEN=block_hidden, RESIDUAL=residual,
         ROUND_BF16_BY_HAND=x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16,
-        num_warps=num_warps,
+        PDL=pdl_enabled(x2d.device), num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -456,4 +465,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         )
     if not eps >= 0:  # also rejects NaN
         raise ValueError(f"rms_norm expects eps >= 0, got eps={eps}")
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        if _use_triton(x, weight):  # inference: the kernel without autograd's bookkeeping
+            return rms_norm_forward(rows_view(x), weight, float(eps))[0].view(x.shape)
     return RMSNormFunction.apply(x, weight, float(eps))

@@ -43,7 +43,18 @@ already get fp32 inputs), so the result is the same inside and outside torch.aut
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import HAS_TRITON, launch, promoted_dtype, rows_view, tl, triton, use_triton
+from memfit.ops._triton import (
+    HAS_TRITON,
+    gdc_launch_dependents,
+    gdc_wait,
+    launch,
+    pdl_enabled,
+    promoted_dtype,
+    rows_view,
+    tl,
+    triton,
+    use_triton,
+)
 
 __all__ = ["SwiGLUFunction", "swiglu", "swiglu_backward", "swiglu_forward"]
 
@@ -88,7 +99,11 @@ def _swiglu_forward_kernel(
     stride_out_row,
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (the engine's programmatic_launch): wait for the kernel before
+        gdc_launch_dependents()
+        gdc_wait()
     row_index, col_index, mask = _tile_indices(rows, ffn, BLOCK_ROWS, BLOCK)
     gate, up = _load_gate_up(gate_up_ptr, row_index, col_index, mask, stride_gate_up_row, ffn)
 
@@ -180,6 +195,7 @@ def swiglu_forward(gate_up2d: Tensor) -> Tensor:
         out.stride(0),
         BLOCK_ROWS=block_rows,
         BLOCK=block,
+        PDL=pdl_enabled(gate_up2d.device),
         num_warps=num_warps,
     )
     return out
@@ -294,4 +310,7 @@ def swiglu(gate_up: Tensor) -> Tensor:
             f"swiglu expects gate_up of shape (..., 2 * ffn) with an even last dimension, got "
             f"shape={tuple(gate_up.shape)}"
         )
+    if not (torch.is_grad_enabled() and gate_up.requires_grad) and _use_triton(gate_up):
+        out2d = swiglu_forward(rows_view(gate_up))  # inference: no autograd bookkeeping
+        return out2d.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     return SwiGLUFunction.apply(gate_up)

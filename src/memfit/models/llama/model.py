@@ -50,7 +50,7 @@ class Block(nn.Module):
         branch = self.attention(self.attention_norm(x), *attention_inputs)
         # x + branch and its norm: one kernel when no gradient is needed (a decode step)
         normed, x = MF.add_rms_norm(x, branch, self.mlp_norm.weight, self.mlp_norm.eps)
-        return x + self.mlp(normed)
+        return self.mlp(normed, residual=x)  # x + mlp(normed)
 
 
 class Llama(nn.Module):

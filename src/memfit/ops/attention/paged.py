@@ -39,7 +39,15 @@ import functools
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import interpreter_enabled, launch, tl, triton
+from memfit.ops._triton import (
+    gdc_launch_dependents,
+    gdc_wait,
+    interpreter_enabled,
+    launch,
+    pdl_enabled,
+    tl,
+    triton,
+)
 from memfit.ops.attention.tiles import _dot, _load_tile, _to_dtype
 
 LOG2E = 1.4426950408889634
@@ -143,7 +151,11 @@ def _decode_kernel(
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (programmatic dependent launch): wait for the cache write
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -200,9 +212,13 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (sequence, query head): merge the split partials (empty splits have
     m = -inf, l = 0 and weigh nothing)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -253,7 +269,11 @@ def _chunk_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     # the sequence: the last s whose first program query_start[s] // BLOCK_Q + s is <= pid
@@ -397,6 +417,7 @@ def paged_attention(
     window = NO_WINDOW if window is None else window
     out = torch.empty_like(q)
     interpret = interpreter_enabled()
+    pdl = pdl_enabled(q.device)
     common = (q.stride(0), q.stride(1), *key_pool.stride()[:3], *value_pool.stride()[:3])
     common += (out.stride(0), out.stride(1), block_table.stride(0), scale, window)
     if max_query_len == 1 and tokens == num_seqs:
@@ -417,14 +438,14 @@ def paged_attention(
             q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, *common, splits,
             GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, INTERPRET=interpret,
-            num_warps=warps, num_stages=stages,
+            PDL=pdl, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         if splits > 1:
             launch(
                 _merge_splits_kernel, (num_seqs, heads_q), q.device,
                 out, acc, m, lse, out.stride(0), out.stride(1), splits,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(16, _next_pow2(splits)),
-                INTERPRET=interpret,
+                INTERPRET=interpret, PDL=pdl,
             )  # fmt: skip
         return out
     if interpret:
@@ -438,6 +459,7 @@ def paged_attention(
         _chunk_kernel, grid, q.device,
         q, key_pool, value_pool, out, block_table, seq_lens, query_start, num_seqs, *common,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, PAGE=page, INTERPRET=interpret, num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, PAGE=page, INTERPRET=interpret, PDL=pdl, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return out
