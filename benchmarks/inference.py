@@ -360,8 +360,8 @@ def batch1(device: torch.device, copy_bw: float, presets: list[str], new_tokens:
         }  # fmt: skip
         print(
             f"batch-1 decode {name}: {row['tokens_per_s']:.1f} tokens/s, {per_token * 1e3:.3f} "
-            f"ms/token, limit {limit_s * 1e3:.3f} ms: {row['of_limit']:.0%} of the bandwidth limit "
-            f"(the captured step alone: {graph_s * 1e3:.3f} ms, {row['graph_of_limit']:.0%})",
+            f"ms/token, limit {limit_s * 1e3:.3f} ms: {row['of_limit']:.1%} of the bandwidth limit "
+            f"(the captured step alone: {graph_s * 1e3:.3f} ms, {row['graph_of_limit']:.1%})",
             flush=True,
         )
         rows.append(row)

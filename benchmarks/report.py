@@ -720,8 +720,8 @@ def inference_table(run: dict) -> str:
         for b in run["batch1"]:
             lines.append(
                 f"| {b['model']} | {b['tokens_per_s']:.1f} | {b['ms_per_token']:.3f} | "
-                f"{b['limit_ms_per_token']:.3f} ms | {b['of_limit']:.0%} | "
-                f"{b['graph_ms_per_token']:.3f} ms ({b['graph_of_limit']:.0%}) |"
+                f"{b['limit_ms_per_token']:.3f} ms | {b['of_limit']:.1%} | "
+                f"{b['graph_ms_per_token']:.3f} ms ({b['graph_of_limit']:.1%}) |"
             )
     return "\n".join(lines)
 
