@@ -152,7 +152,7 @@ class TrainSection(_Section):
     """auto: bf16 on a GPU that has it, else fp32."""
     checkpointing: Literal["none", "full", "selective"] = "none"
     optimizer: str = "adamw"
-    """A registered optimizer (memfit.optim.OPTIMIZERS): adamw, sgd."""
+    """A registered optimizer (memfit.optim.OPTIMIZERS): adamw, adamw8bit (8-bit states), sgd."""
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -295,7 +295,7 @@ def check_parallelism(
             f"--offload params keeps parameter shards in CPU memory, which needs --zero 3 "
             f"(got --zero {zero}); --offload optimizer works with any stage"
         )
-    check_sharding(optimizer, zero)
+    check_sharding(optimizer, zero, offload=offload, world_size=world_size)
     if world_size == 1 and zero > 0 and offload == "none":
         raise ValueError(
             f"--zero {zero} shards the training state across processes, and this run has one: "

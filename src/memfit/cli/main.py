@@ -86,7 +86,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--reduce-dtype", choices=["fp32", "bf16"], help="dtype of the gradient collectives"
     )
     p.add_argument("--attention", choices=["auto", "flash", "sdpa", "eager"])
-    p.add_argument("--optimizer", help="a registered optimizer: adamw (default), sgd")
+    p.add_argument(
+        "--optimizer", help="a registered optimizer: adamw (default), adamw8bit (8-bit states), sgd"
+    )
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from memfit.config import check_at_least, check_between
 from memfit.models.config import ModelConfig, check_seq_len, format_params, load_model_config
+from memfit.optim.registry import OPTIMIZERS
 from memfit.planner import (
     CATEGORIES,
     Strategy,
@@ -335,7 +336,7 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     )
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--checkpointing", choices=["none", "full", "selective"], default="none")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
     p.add_argument(

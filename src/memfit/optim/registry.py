@@ -48,6 +48,9 @@ class OptimizerSpec:
     """Bytes per parameter the step allocates while it runs (torch's foreach SGD applies weight
     decay out of place: one gradient-sized fp32 temporary)."""
     sharding: Literal["elementwise", "per_tensor"] = "elementwise"
+    zero_ready: bool = True
+    """Whether ZeroOptimizer (ZeRO, offload, or any run of several processes) can drive it and
+    save its states in its sharded checkpoints."""
     build: OptimizerFactory
     """build(param_groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer."""
 
@@ -68,9 +71,18 @@ def get_optimizer(name: str) -> OptimizerSpec:
     return OPTIMIZERS[name]
 
 
-def check_sharding(optimizer: str, zero: int) -> None:
-    """Raise ValueError when `optimizer`'s states cannot be sharded by ZeRO `zero`."""
+def check_sharding(
+    optimizer: str, zero: int, *, offload: str = "none", world_size: int | None = None
+) -> None:
+    """Raise ValueError when `optimizer`'s states cannot be sharded by ZeRO `zero` (or driven
+    by ZeroOptimizer at all: offload, several processes)."""
     spec = get_optimizer(optimizer)
+    if not spec.zero_ready and (zero >= 1 or offload != "none" or (world_size or 1) > 1):
+        raise ValueError(
+            f"optimizer {optimizer!r} runs on one process without --zero and --offload for now "
+            f"(its block-quantized states are not yet in ZeRO's sharded checkpoints); got "
+            f"--zero {zero}, --offload {offload}, {world_size or 1} process(es)"
+        )
     if zero >= 1 and spec.sharding != "elementwise":
         raise ValueError(
             f"optimizer {optimizer!r} keeps per-tensor states, which ZeRO's flat shards would "
@@ -123,12 +135,30 @@ def _adamw(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **fast)
 
 
+def _adamw8bit(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
+    from memfit.optim.adamw8bit import AdamW8bit
+
+    return AdamW8bit(groups, lr=lr, betas=betas, eps=1e-8)
+
+
 def _sgd(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=True)
 
 
 register_optimizer(
     OptimizerSpec(name="adamw", state_bytes_per_param=8, update_bytes_per_param=28, build=_adamw)
+)
+register_optimizer(
+    OptimizerSpec(
+        name="adamw8bit",
+        # a byte per element for each moment and an fp32 absmax per block of 256 (tensors under
+        # 4096 elements keep fp32 moments: norms and biases, a negligible share)
+        state_bytes_per_param=2 + 2 * 4 / 256,
+        # parameter and gradient read and written (fp32), a byte of each moment read and written
+        update_bytes_per_param=16 + 4 * 4 / 256,
+        zero_ready=False,
+        build=_adamw8bit,
+    )
 )
 register_optimizer(
     OptimizerSpec(

@@ -1,0 +1,163 @@
+"""AdamW with 8-bit states (memfit.ops.adamw8bit): 2 bytes of state per parameter, plus 8 bytes
+per block of 256, instead of AdamW's 8.
+
+    AdamW8bit(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+              min_8bit_size=4096)
+
+torch.optim.AdamW's hyperparameters and update (decoupled weight decay, bias correction); the
+moments are stored block-wise quantized and dequantized for each step. Tensors of fewer than
+`min_8bit_size` elements (norm weights, biases: a sliver of the memory, and the tensors whose
+few values the quantization would perturb most) keep fp32 moments, as does every tensor of a
+parameter group with `"states_32bit": True` (bitsandbytes' advice for embeddings, whose rows see
+gradients rarely and of very different sizes).
+
+Per parameter, `state` holds "step" (a CPU tensor: bias correction needs no GPU sync) and either
+"exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_root_codes", "exp_avg_sq_root_absmax" (uint8 of
+the parameter's shape, fp32 per block of 256) or "exp_avg", "exp_avg_sq" (fp32). On CUDA each
+step is one fused Triton launch per parameter group and kind of state; on the CPU, vectorized
+torch ops per tensor (the same arithmetic). Parameters may be fp32 or bf16, with gradients of
+their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from memfit.ops._triton import use_triton
+from memfit.ops.adamw8bit import BLOCK, ChunkTable, adamw_step_reference, fused_adamw_step
+
+__all__ = ["AdamW8bit", "state_bytes"]
+
+_QUANTIZED = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_root_codes", "exp_avg_sq_root_absmax")
+
+
+def state_bytes(numel: int, *, quantized: bool = True) -> int:
+    """Bytes of state AdamW8bit keeps for a tensor of `numel` elements (the CPU step counter
+    aside): a byte per element and an fp32 absmax per block of 256 for each moment, or two fp32
+    moments for a tensor kept in 32 bits."""
+    if not quantized:
+        return 8 * numel
+    return 2 * numel + 2 * 4 * -(-numel // BLOCK)
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        if not lr >= 0:
+            raise ValueError(f"AdamW8bit: lr must be >= 0, got {lr}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"AdamW8bit: betas must be in [0, 1), got {betas}")
+        if not eps >= 0:
+            raise ValueError(f"AdamW8bit: eps must be >= 0, got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"AdamW8bit: weight_decay must be >= 0, got {weight_decay}")
+        if min_8bit_size < 0:
+            raise ValueError(f"AdamW8bit: min_8bit_size must be >= 0, got {min_8bit_size}")
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "states_32bit": False,
+        }
+        super().__init__(params, defaults)
+        self.min_8bit_size = min_8bit_size
+        self._tables: dict[tuple, ChunkTable] = {}
+
+    def _quantized(self, param: Tensor, group: dict) -> bool:
+        return not group["states_32bit"] and param.numel() >= self.min_8bit_size
+
+    def _init_state(self, param: Tensor, group: dict) -> dict:
+        if param.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"AdamW8bit: parameters must be fp32 or bf16, got {param.dtype} (shape "
+                f"{tuple(param.shape)})"
+            )
+        state = self.state[param]
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        if self._quantized(param, group):
+            blocks = -(-param.numel() // BLOCK)
+            for key in _QUANTIZED:
+                if key.endswith("codes"):
+                    state[key] = torch.zeros_like(param, dtype=torch.uint8)
+                else:
+                    state[key] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
+        else:
+            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            options = {
+                "lr": group["lr"],
+                "beta1": beta1,
+                "beta2": beta2,
+                "eps": group["eps"],
+                "weight_decay": group["weight_decay"],
+            }
+            launches: dict[tuple, tuple[list, list, list]] = {}
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise ValueError("AdamW8bit: sparse gradients are not supported")
+                if grad.dtype != param.dtype:
+                    raise ValueError(
+                        f"AdamW8bit: a gradient of {grad.dtype} for a parameter of {param.dtype}"
+                    )
+                state = self.state[param] or self._init_state(param, group)
+                state["step"] += 1
+                step = int(state["step"].item())
+                if not use_triton(param) or not param.is_contiguous():  # (flat offsets)
+                    adamw_step_reference(param, grad, state, step=step, **options)
+                    continue
+                key = (param.device, param.dtype, "exp_avg_codes" in state, step)
+                batch = launches.setdefault(key, ([], [], []))
+                batch[0].append(param)
+                batch[1].append(grad.contiguous())
+                batch[2].append(state)
+            for (device, _, _, step), (params, grads, states) in launches.items():
+                fused_adamw_step(
+                    params, grads, states, self._table(params, device), step=step, **options
+                )
+        return loss
+
+    def _table(self, params: list[Tensor], device: torch.device) -> ChunkTable:
+        numels = tuple(p.numel() for p in params)
+        key = (device, numels)
+        if key not in self._tables:
+            self._tables[key] = ChunkTable(list(numels), device)
+        return self._tables[key]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the states keep their dtypes (torch casts floating-point states
+        to the parameter's dtype, which would turn the codes into floats and round a bf16
+        parameter's fp32 moments)."""
+        saved = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in saved.items():
+            param = params[index]
+            self.state[param] = {
+                key: value.detach().clone().cpu()
+                if key == "step"
+                else value.detach().to(param.device, copy=True)
+                for key, value in values.items()
+            }
