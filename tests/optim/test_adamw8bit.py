@@ -263,3 +263,24 @@ def test_fused_step_on_the_gpu_matches_the_torch_path(dtype):
             for key in s:
                 if s[key].dtype == torch.uint8:
                     assert (s[key] != t[key]).float().mean() < 2e-3, key
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_stochastic_rounding_keeps_updates_below_the_bf16_step(triton):
+    """Decay of 1e-4 a step on bf16 ones (a step of 2^-8 below 1): rounding to nearest never
+    moves them; stochastic rounding follows the exact decay on average."""
+    if triton and not interpreter_enabled():
+        pytest.skip("the kernel on CPU needs TRITON_INTERPRET=1")
+    with triton_on_cpu() if triton else contextlib.nullcontext():
+        finals = {}
+        for stochastic in (False, True):
+            w = torch.nn.Parameter(torch.ones(64, 128, dtype=torch.bfloat16))
+            optimizer = AdamW8bit([w], lr=1e-2, weight_decay=1e-2, stochastic_rounding=stochastic)
+            for _ in range(100):
+                w.grad = torch.zeros_like(w)
+                optimizer.step()
+            finals[stochastic] = w.detach().float()
+        assert torch.equal(finals[False], torch.ones(64, 128))
+        exact = (1 - 1e-4) ** 100
+        assert finals[True].mean().item() == pytest.approx(exact, abs=2e-4)
+        assert finals[True].std().item() > 0

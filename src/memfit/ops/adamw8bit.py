@@ -50,6 +50,7 @@ __all__ = [
     "dynamic_code",
     "fused_adamw_step",
     "quantize",
+    "stochastic_bf16",
 ]
 
 BLOCK = 256  # elements per quantization block (one fp32 absmax each)
@@ -138,10 +139,12 @@ def adamw_step_reference(
     eps: float,
     weight_decay: float,
     step: int,
+    stochastic_seed: int | None = None,
 ) -> None:
     """One AdamW step of one tensor in place, in torch ops (the CPU path and the kernel's
     reference). state: "exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_root_codes",
-    "exp_avg_sq_root_absmax" (8-bit), or "exp_avg", "exp_avg_sq" (fp32)."""
+    "exp_avg_sq_root_absmax" (8-bit), or "exp_avg", "exp_avg_sq" (fp32). stochastic_seed: a bf16
+    parameter is rounded stochastically (`stochastic_bf16`), with this seed."""
     g = grad.float()
     quantized = "exp_avg_codes" in state
     if quantized:
@@ -155,6 +158,8 @@ def adamw_step_reference(
     root = torch.sqrt(v)
     p = param.float() * (1 - lr * weight_decay)
     p = p - (lr / (1 - beta1**step)) * m / (root / (1 - beta2**step) ** 0.5 + eps)
+    if stochastic_seed is not None and param.dtype == torch.bfloat16:
+        p = stochastic_bf16(p, stochastic_seed)
     param.copy_(p)
     if quantized:
         codes, absmax = quantize(m, True)
@@ -166,6 +171,19 @@ def adamw_step_reference(
     else:
         state["exp_avg"].copy_(m)
         state["exp_avg_sq"].copy_(v)
+
+
+def stochastic_bf16(x: Tensor, seed: int) -> Tensor:
+    """fp32 x rounded to bf16 up or down at random, up with probability the distance to the
+    value below over the gap (unbiased: the expected result is x): 16 random bits added to the
+    magnitude's low 16 bits, then truncated. A bf16 parameter updated this way keeps updates
+    smaller than its rounding step on average, where rounding to nearest would drop them."""
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device)
+    bits = (x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) + noise
+    bits = (bits >> 16) << 16
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)  # back to int32's range
+    return bits.to(torch.int32).view(torch.float32).to(torch.bfloat16)
 
 
 @triton.jit
@@ -204,8 +222,10 @@ def _adamw_kernel(
     decay,
     step_size,
     bias_root,
+    seed,
     QUANT: tl.constexpr,
     PARAM_BF16: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -248,7 +268,11 @@ def _adamw_kernel(
     v = v * beta2 + g * g * (1 - beta2)
     root = tl.sqrt_rn(v)
     p = p * decay - step_size * m / (root / bias_root + eps)
-    if ROUND_BF16_BY_HAND:  # the interpreter's cast truncates
+    if STOCHASTIC:  # bf16: 16 random bits into the magnitude's low bits, then truncated
+        noise = tl.randint(seed + tensor * 1000003, offsets.to(tl.int32)) & 0xFFFF
+        bits = (p.to(tl.uint32, bitcast=True) + noise) >> 16
+        tl.store(p_ptr + offsets, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    elif ROUND_BF16_BY_HAND:  # the interpreter's cast truncates
         tl.store(p_ptr + offsets, round_to_bf16(p), mask=mask)
     else:
         tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -298,10 +322,12 @@ def fused_adamw_step(
     eps: float,
     weight_decay: float,
     step: int,
+    stochastic_seed: int | None = None,
 ) -> None:
     """`adamw_step_reference` for every tensor of `params` in one launch: the parameters of one
     dtype (fp32 or bf16), their gradients of it, and states all 8-bit or all fp32, as `table`
-    lays them out."""
+    lays them out. stochastic_seed: bf16 parameters are rounded stochastically (the random bits
+    are the kernel's own, not `stochastic_bf16`'s)."""
     if table.programs == 0:
         return
     quant = "exp_avg_codes" in states[0]
@@ -321,8 +347,8 @@ def fused_adamw_step(
         table.tensor, table.start, table.numel, addresses, len(params),
         _code_table(True, device), _code_table(False, device),
         beta1, beta2, eps, 1 - lr * weight_decay, lr / (1 - beta1**step),
-        (1 - beta2**step) ** 0.5,
-        QUANT=quant, PARAM_BF16=bf16, ROUND_BF16_BY_HAND=bf16 and device.type == "cpu",
+        (1 - beta2**step) ** 0.5, stochastic_seed or 0,
+        QUANT=quant, PARAM_BF16=bf16, STOCHASTIC=bf16 and stochastic_seed is not None, ROUND_BF16_BY_HAND=bf16 and device.type == "cpu",
         CHUNK=CHUNK_BLOCKS,
         BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip

@@ -9,7 +9,9 @@ moments are stored block-wise quantized and dequantized for each step. Tensors o
 `min_8bit_size` elements (norm weights, biases: a sliver of the memory, and the tensors whose
 few values the quantization would perturb most) keep fp32 moments, as does every tensor of a
 parameter group with `"states_32bit": True` (bitsandbytes' advice for embeddings, whose rows see
-gradients rarely and of very different sizes).
+gradients rarely and of very different sizes). `stochastic_rounding=True` rounds bf16 parameters
+up or down at random in proportion (unbiased), for bf16 weights kept without fp32 masters:
+rounding to nearest would drop every update smaller than half a bf16 step.
 
 Per parameter, `state` holds "step" (a CPU tensor: bias correction needs no GPU sync) and either
 "exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_root_codes", "exp_avg_sq_root_absmax" (uint8 of
@@ -51,6 +53,7 @@ class AdamW8bit(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         min_8bit_size: int = 4096,
+        stochastic_rounding: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"AdamW8bit: lr must be >= 0, got {lr}")
@@ -71,6 +74,8 @@ class AdamW8bit(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.min_8bit_size = min_8bit_size
+        self.stochastic_rounding = stochastic_rounding
+        self._places: dict[int, int] | None = None
         self._tables: dict[tuple, ChunkTable] = {}
 
     def _quantized(self, param: Tensor, group: dict) -> bool:
@@ -126,7 +131,10 @@ class AdamW8bit(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"].item())
                 if not use_triton(param) or not param.is_contiguous():  # (flat offsets)
-                    adamw_step_reference(param, grad, state, step=step, **options)
+                    seed = self._seed(step, param) if self.stochastic_rounding else None
+                    adamw_step_reference(
+                        param, grad, state, step=step, stochastic_seed=seed, **options
+                    )
                     continue
                 key = (param.device, param.dtype, "exp_avg_codes" in state, step)
                 batch = launches.setdefault(key, ([], [], []))
@@ -134,10 +142,21 @@ class AdamW8bit(torch.optim.Optimizer):
                 batch[1].append(grad.contiguous())
                 batch[2].append(state)
             for (device, _, _, step), (params, grads, states) in launches.items():
+                seed = self._seed(step, params[0]) if self.stochastic_rounding else None
                 fused_adamw_step(
-                    params, grads, states, self._table(params, device), step=step, **options
-                )
+                    params, grads, states, self._table(params, device), step=step,
+                    stochastic_seed=seed, **options,
+                )  # fmt: skip
         return loss
+
+    def _seed(self, step: int, param: Tensor) -> int:
+        """The stochastic rounding's seed for the launch or tensor that `param` begins: a
+        function of the step and of the parameter's place, so that a resumed run draws the same
+        bits."""
+        if self._places is None:
+            params = (p for group in self.param_groups for p in group["params"])
+            self._places = {id(p): i for i, p in enumerate(params)}
+        return (step * 1_000_003 + self._places[id(param)]) % (1 << 31)
 
     def _table(self, params: list[Tensor], device: torch.device) -> ChunkTable:
         numels = tuple(p.numel() for p in params)
