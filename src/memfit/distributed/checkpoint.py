@@ -86,8 +86,12 @@ def save_zero(
     `path`; `extra` is saved as rank 0 has it. Every rank of `zero`'s group calls it."""
     names = _names(model, zero)
     state: dict[str, Any] = _model_entries(model, zero, names)
+    # an optimizer whose states are not per element (8-bit AdamW's blocks) gives them in a form
+    # that is, through `checkpoint_state`, and takes that form back in load_state_dict
+    optimizer = zero.optimizer
+    states_of = getattr(optimizer, "checkpoint_state", lambda p: optimizer.state.get(p, {}))
     for bucket, param in zip(zero.buckets, _optimizer_params(zero), strict=True):
-        for key, value in zero.optimizer.state.get(param, {}).items():
+        for key, value in states_of(param).items():
             state.update(_state_entries(zero, bucket, names, key, value, param))
     if zero.rank == 0:
         state["optim.param_groups"] = _pack(_groups(zero, names))

@@ -27,7 +27,14 @@ import torch
 from torch import Tensor
 
 from memfit.ops._triton import use_triton
-from memfit.ops.adamw8bit import BLOCK, ChunkTable, adamw_step_reference, fused_adamw_step
+from memfit.ops.adamw8bit import (
+    BLOCK,
+    ChunkTable,
+    adamw_step_reference,
+    dequantize,
+    fused_adamw_step,
+    quantize,
+)
 
 __all__ = ["AdamW8bit", "state_bytes"]
 
@@ -165,18 +172,58 @@ class AdamW8bit(torch.optim.Optimizer):
             self._tables[key] = ChunkTable(list(numels), device)
         return self._tables[key]
 
+    def checkpoint_state(self, param: Tensor) -> dict[str, Tensor]:
+        """The state of `param` as per-element fp32 tensors and the step: "exp_avg" and
+        "exp_avg_sq_root" (8-bit states, dequantized) or "exp_avg" and "exp_avg_sq". ZeRO's
+        sharded checkpoints save this form, which reshards like AdamW's states; loading it
+        (`load_state_dict` takes both forms) quantizes again, to the same codes where the
+        blocks are the same."""
+        state = self.state.get(param, {})
+        if "exp_avg_codes" not in state:
+            return dict(state)
+        return {
+            "step": state["step"],
+            "exp_avg": dequantize(state["exp_avg_codes"], state["exp_avg_absmax"], True),
+            "exp_avg_sq_root": dequantize(
+                state["exp_avg_sq_root_codes"], state["exp_avg_sq_root_absmax"], False
+            ),
+        }
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the states keep their dtypes (torch casts floating-point states
         to the parameter's dtype, which would turn the codes into floats and round a bf16
-        parameter's fp32 moments)."""
+        parameter's fp32 moments); states in `checkpoint_state`'s form are quantized (or kept
+        in 32 bits) as this optimizer keeps them for the parameter."""
         saved = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {}})
-        params = [p for group in self.param_groups for p in group["params"]]
+        groups = [(p, group) for group in self.param_groups for p in group["params"]]
         for index, values in saved.items():
-            param = params[index]
-            self.state[param] = {
+            param, group = groups[index]
+            state = {
                 key: value.detach().clone().cpu()
                 if key == "step"
                 else value.detach().to(param.device, copy=True)
                 for key, value in values.items()
             }
+            if "exp_avg_codes" not in state:
+                state = self._from_checkpoint(param, group, state)
+            self.state[param] = state
+
+    def _from_checkpoint(self, param: Tensor, group: dict, state: dict) -> dict:
+        """Per-element fp32 moments (exp_avg, and exp_avg_sq or its root) in the form this
+        optimizer keeps for `param`."""
+        m = state.pop("exp_avg").float().view(param.shape)
+        root = state.pop("exp_avg_sq_root", None)
+        squares = state.pop("exp_avg_sq", None)
+        if root is None:
+            root = torch.sqrt(squares.float())
+        root = root.float().view(param.shape)
+        if not self._quantized(param, group):
+            state["exp_avg"] = m
+            state["exp_avg_sq"] = (
+                squares.float().view(param.shape) if squares is not None else root * root
+            )
+            return state
+        state["exp_avg_codes"], state["exp_avg_absmax"] = quantize(m, True)
+        state["exp_avg_sq_root_codes"], state["exp_avg_sq_root_absmax"] = quantize(root, False)
+        return state

@@ -156,7 +156,6 @@ register_optimizer(
         state_bytes_per_param=2 + 2 * 4 / 256,
         # parameter and gradient read and written (fp32), a byte of each moment read and written
         update_bytes_per_param=16 + 4 * 4 / 256,
-        zero_ready=False,
         build=_adamw8bit,
     )
 )
