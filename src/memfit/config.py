@@ -152,7 +152,8 @@ class TrainSection(_Section):
     """auto: bf16 on a GPU that has it, else fp32."""
     checkpointing: Literal["none", "full", "selective"] = "none"
     optimizer: str = "adamw"
-    """A registered optimizer (memfit.optim.OPTIMIZERS): adamw, adamw8bit (8-bit states), sgd."""
+    """A registered optimizer (memfit.optim.OPTIMIZERS): adamw, adamw8bit (8-bit states),
+    adafactor (factored second moments), sm3, sgd."""
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30

@@ -87,7 +87,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--attention", choices=["auto", "flash", "sdpa", "eager"])
     p.add_argument(
-        "--optimizer", help="a registered optimizer: adamw (default), adamw8bit (8-bit states), sgd"
+        "--optimizer",
+        help="a registered optimizer: adamw (default), adamw8bit, adafactor, sm3, sgd",
     )
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int)

@@ -11,8 +11,9 @@ How states shard (`sharding`):
   straddle a shard boundary). ZeRO hands the optimizer flat shards of the parameters, so its
   states shard with them: stage >= 1 keeps 1/N of them per rank.
 - "per_tensor": a state depends on the whole parameter tensor (Adafactor's row and column
-  statistics, SM3's covers). The optimizer must see whole tensors: it runs replicated (ZeRO stage
-  0) until sharding by whole parameters exists; `check_sharding` says so.
+  statistics, SM3's covers). The optimizer must see whole tensors, and ZeroOptimizer (ZeRO,
+  offload, any run of several processes) hands it flat buckets: it runs on one process until
+  sharding by whole parameters exists; `check_sharding` says so.
 """
 
 from __future__ import annotations
@@ -48,9 +49,6 @@ class OptimizerSpec:
     """Bytes per parameter the step allocates while it runs (torch's foreach SGD applies weight
     decay out of place: one gradient-sized fp32 temporary)."""
     sharding: Literal["elementwise", "per_tensor"] = "elementwise"
-    zero_ready: bool = True
-    """Whether ZeroOptimizer (ZeRO, offload, or any run of several processes) can drive it and
-    save its states in its sharded checkpoints."""
     build: OptimizerFactory
     """build(param_groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer."""
 
@@ -74,19 +72,15 @@ def get_optimizer(name: str) -> OptimizerSpec:
 def check_sharding(
     optimizer: str, zero: int, *, offload: str = "none", world_size: int | None = None
 ) -> None:
-    """Raise ValueError when `optimizer`'s states cannot be sharded by ZeRO `zero` (or driven
-    by ZeroOptimizer at all: offload, several processes)."""
+    """Raise ValueError when `optimizer`'s states cannot be kept by ZeRO `zero` with `offload`
+    over `world_size` processes: per-tensor states need whole tensors, and ZeroOptimizer (any
+    stage over several processes, or offload) hands the optimizer flat buckets of many."""
     spec = get_optimizer(optimizer)
-    if not spec.zero_ready and (zero >= 1 or offload != "none" or (world_size or 1) > 1):
+    if spec.sharding == "per_tensor" and (zero >= 1 or offload != "none" or (world_size or 1) > 1):
         raise ValueError(
-            f"optimizer {optimizer!r} runs on one process without --zero and --offload for now "
-            f"(its block-quantized states are not yet in ZeRO's sharded checkpoints); got "
-            f"--zero {zero}, --offload {offload}, {world_size or 1} process(es)"
-        )
-    if zero >= 1 and spec.sharding != "elementwise":
-        raise ValueError(
-            f"optimizer {optimizer!r} keeps per-tensor states, which ZeRO's flat shards would "
-            f"split: use --zero 0 with it (got --zero {zero})"
+            f"optimizer {optimizer!r} keeps per-tensor states (row and column statistics), which "
+            f"need whole tensors: it runs on one process without --zero and --offload (got "
+            f"--zero {zero}, --offload {offload}, {world_size or 1} process(es))"
         )
 
 
@@ -141,6 +135,19 @@ def _adamw8bit(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
     return AdamW8bit(groups, lr=lr, betas=betas, eps=1e-8)
 
 
+def _adafactor(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
+    from memfit.optim.adafactor import Adafactor
+
+    # the schedule gives an absolute lr: no relative step, no scaling by the parameter's RMS
+    return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False)
+
+
+def _sm3(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
+    from memfit.optim.sm3 import SM3
+
+    return SM3(groups, lr=lr, beta1=momentum)
+
+
 def _sgd(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=True)
 
@@ -157,6 +164,30 @@ register_optimizer(
         # parameter and gradient read and written (fp32), a byte of each moment read and written
         update_bytes_per_param=16 + 4 * 4 / 256,
         build=_adamw8bit,
+    )
+)
+# Factored statistics: a row and a column of fp32 per matrix, (R + C) x 4 bytes for R x C
+# parameters: 0.002-0.004 bytes per parameter for llama's matrices (2048 x 2048 to 128256 x 2048),
+# vectors a full fp32 statistic (norm weights: a negligible share). They need whole tensors.
+register_optimizer(
+    OptimizerSpec(
+        name="adafactor",
+        state_bytes_per_param=0.004,
+        # three passes over the gradient (sums, clipping, update), the parameter read and written
+        update_bytes_per_param=24,
+        sharding="per_tensor",
+        build=_adafactor,
+    )
+)
+register_optimizer(
+    OptimizerSpec(
+        name="sm3",
+        # row and column maxima (as Adafactor's statistics) and an fp32 momentum (train.momentum;
+        # 0 drops it and its 4 bytes, which this estimate still counts)
+        state_bytes_per_param=4.004,
+        update_bytes_per_param=20,
+        sharding="per_tensor",
+        build=_sm3,
     )
 )
 register_optimizer(
