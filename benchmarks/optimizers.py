@@ -19,7 +19,9 @@ from pathlib import Path
 import harness
 import torch
 
+from memfit.optim.adafactor import Adafactor
 from memfit.optim.adamw8bit import AdamW8bit
+from memfit.optim.sm3 import SM3
 
 SIDE = 2048
 
@@ -28,6 +30,9 @@ def candidates() -> dict:
     found = {
         "torch AdamW (fused)": lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
         "memfit AdamW8bit": lambda ps: AdamW8bit(ps, lr=1e-4),
+        "memfit Adafactor": lambda ps: Adafactor(ps, lr=1e-2, scale_parameter=False),
+        "memfit SM3 (momentum 0.9)": lambda ps: SM3(ps, lr=1e-2, beta1=0.9),
+        "memfit SM3 (no momentum)": lambda ps: SM3(ps, lr=1e-2, beta1=0.0),
     }
     if hasattr(torch.optim, "Adafactor"):
         found["torch Adafactor"] = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)
