@@ -192,6 +192,14 @@ class TrainSection(_Section):
                 f"train.optimizer = {self.optimizer!r} is not a registered optimizer; choose one "
                 f"of {', '.join(map(repr, OPTIMIZERS))}"
             )
+        takes = OPTIMIZERS[self.optimizer].options
+        for name in ("beta1", "beta2", "momentum"):
+            value, default = getattr(self, name), TrainSection.__dataclass_fields__[name].default
+            if name not in takes and value != default:
+                raise ValueError(
+                    f"train.{name} = {value!r} does not apply to optimizer {self.optimizer!r} "
+                    f"(of beta1, beta2 and momentum it takes: {', '.join(takes) or 'none'})"
+                )
 
 
 @dataclass(kw_only=True)

@@ -35,3 +35,14 @@ def test_the_planner_counts_each_optimizers_states():
     assert states["adamw8bit"] == pytest.approx(2.03125 * P)
     assert states["adafactor"] <= 0.1 * P
     assert states["sm3"] < states["adamw"]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "option"),
+    [("sgd", "beta1"), ("sgd", "beta2"), ("adamw", "momentum"), ("adamw8bit", "momentum"),
+     ("adafactor", "beta1"), ("sm3", "beta2")],
+)  # fmt: skip
+def test_an_option_that_does_not_apply_is_named(optimizer, option):
+    with pytest.raises(ValueError, match=f"train.{option} = 0.5 does not apply to optimizer"):
+        build_config(flags={"train": {"optimizer": optimizer, option: 0.5}})
+    build_config(flags={"train": {"optimizer": optimizer}})  # the defaults are no error

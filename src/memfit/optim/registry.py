@@ -18,6 +18,7 @@ How states shard (`sharding`):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ class OptimizerSpec:
     """Bytes per parameter the step allocates while it runs (torch's foreach SGD applies weight
     decay out of place: one gradient-sized fp32 temporary)."""
     sharding: Literal["elementwise", "per_tensor"] = "elementwise"
+    options: tuple[str, ...] = ()
+    """The `train` options it takes of beta1, beta2 and momentum (setting another is an
+    error)."""
     build: OptimizerFactory
     """build(param_groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer."""
 
@@ -132,6 +136,12 @@ def _adamw(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
 def _adamw8bit(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
     from memfit.optim.adamw8bit import AdamW8bit
 
+    if torch.device(device).type == "cpu" and torch.cuda.is_available():
+        logging.getLogger(__name__).warning(
+            "adamw8bit steps on the CPU (--offload optimizer) in plain torch ops, many times "
+            "slower than adamw's fused CPU kernel; its 8-bit states save GPU memory, which the "
+            "offload already does: --optimizer adamw is the faster choice with offload"
+        )
     return AdamW8bit(groups, lr=lr, betas=betas, eps=1e-8)
 
 
@@ -153,7 +163,13 @@ def _sgd(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
 
 
 register_optimizer(
-    OptimizerSpec(name="adamw", state_bytes_per_param=8, update_bytes_per_param=28, build=_adamw)
+    OptimizerSpec(
+        name="adamw",
+        state_bytes_per_param=8,
+        update_bytes_per_param=28,
+        options=("beta1", "beta2"),
+        build=_adamw,
+    )
 )
 register_optimizer(
     OptimizerSpec(
@@ -163,6 +179,7 @@ register_optimizer(
         state_bytes_per_param=2 + 2 * 4 / 256,
         # parameter and gradient read and written (fp32), a byte of each moment read and written
         update_bytes_per_param=16 + 4 * 4 / 256,
+        options=("beta1", "beta2"),
         build=_adamw8bit,
     )
 )
@@ -187,6 +204,7 @@ register_optimizer(
         state_bytes_per_param=4.004,
         update_bytes_per_param=20,
         sharding="per_tensor",
+        options=("momentum",),
         build=_sm3,
     )
 )
@@ -196,6 +214,7 @@ register_optimizer(
         state_bytes_per_param=4,
         update_bytes_per_param=16,  # parameter, gradient, momentum read; parameter, momentum written
         step_temporary_bytes_per_param=4,
+        options=("momentum",),
         build=_sgd,
     )
 )
