@@ -152,6 +152,10 @@ class TrainSection(_Section):
     """auto: bf16 on a GPU that has it, else fp32."""
     checkpointing: Literal["none", "full", "selective"] = "none"
     optimizer: str = "adamw"
+    master_weights: Literal["fp32", "none"] = "fp32"
+    """fp32: the parameters are fp32 master weights (autocast casts them per matmul); none: the
+    parameters are bf16 themselves (precision bf16), updated with stochastic rounding (adamw8bit),
+    and so are their gradients: 4 bytes per parameter fewer."""
     """A registered optimizer (memfit.optim.OPTIMIZERS): adamw, adamw8bit (8-bit states),
     adafactor (factored second moments), sm3, sgd."""
     lr: float = 3e-3
@@ -191,6 +195,20 @@ class TrainSection(_Section):
             raise ValueError(
                 f"train.optimizer = {self.optimizer!r} is not a registered optimizer; choose one "
                 f"of {', '.join(map(repr, OPTIMIZERS))}"
+            )
+        if self.master_weights not in ("fp32", "none"):
+            raise ValueError(
+                f"train.master_weights must be 'fp32' or 'none', got {self.master_weights!r}"
+            )
+        if self.master_weights == "none" and self.optimizer != "adamw8bit":
+            raise ValueError(
+                f"train.master_weights = 'none' keeps bf16 parameters, whose updates need "
+                f"stochastic rounding: use it with --optimizer adamw8bit (got {self.optimizer!r})"
+            )
+        if self.master_weights == "none" and self.precision in ("fp32", "fp16"):
+            raise ValueError(
+                f"train.master_weights = 'none' keeps the parameters in bf16: it needs precision "
+                f"bf16 (got {self.precision!r})"
             )
         takes = OPTIMIZERS[self.optimizer].options
         for name in ("beta1", "beta2", "momentum"):
@@ -269,6 +287,13 @@ class Config:
             offload=self.distributed.offload,
             optimizer=self.train.optimizer,
         )
+        if self.train.master_weights == "none" and (
+            self.distributed.zero or self.distributed.offload != "none"
+        ):
+            raise ValueError(
+                "train.master_weights = 'none' runs on one process without --zero and --offload "
+                "for now (ZeRO shards and offloads fp32 master weights)"
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

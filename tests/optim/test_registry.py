@@ -46,3 +46,46 @@ def test_an_option_that_does_not_apply_is_named(optimizer, option):
     with pytest.raises(ValueError, match=f"train.{option} = 0.5 does not apply to optimizer"):
         build_config(flags={"train": {"optimizer": optimizer, option: 0.5}})
     build_config(flags={"train": {"optimizer": optimizer}})  # the defaults are no error
+
+
+def test_master_weights_none_needs_bf16_adamw8bit_on_one_process():
+    ok = {"optimizer": "adamw8bit", "precision": "bf16", "master_weights": "none"}
+    build_config(flags={"train": ok})
+    with pytest.raises(ValueError, match="use it with --optimizer adamw8bit"):
+        build_config(flags={"train": {**ok, "optimizer": "adamw"}})
+    with pytest.raises(ValueError, match="it needs precision bf16"):
+        build_config(flags={"train": {**ok, "precision": "fp32"}})
+    with pytest.raises(ValueError, match="without --zero and --offload"):
+        build_config(flags={"train": ok, "distributed": {"offload": "optimizer"}})
+
+
+def test_the_planner_counts_bf16_weights_without_masters():
+    from memfit.models.config import PRESETS
+    from memfit.planner import Strategy, plan
+
+    model = PRESETS["llama-3-8b"]
+    common = {"precision": "bf16", "checkpointing": "full", "optimizer": "adamw8bit"}
+    masters = plan(model, Strategy(**common))
+    bf16 = plan(model, Strategy(**common, master_weights="none"))
+    P = model.num_params
+    assert bf16.breakdown["params"] == 2 * P and masters.breakdown["params"] == 4 * P
+    # 2 bytes fewer of parameters and 2 of gradients per parameter (no autocast copies either)
+    assert masters.peak_bytes - bf16.peak_bytes >= 3.9 * P
+    with pytest.raises(ValueError, match="needs bf16 precision on one process"):
+        Strategy(**common, master_weights="none", zero=1, world_size=2)
+
+
+def test_the_recommender_reaches_for_the_lean_forms_only_where_adamw_does_not_fit():
+    from memfit.models.config import PRESETS
+    from memfit.planner import get_gpu, rank_strategies
+
+    h100 = get_gpu("h100-sxm")
+    small = rank_strategies(PRESETS["llama-1b"], h100)
+    assert small and all(r.strategy.optimizer == "adamw" for r in small)
+    # llama-3-8b: fp32 AdamW states and master weights alone take 96 GiB; 8-bit states with
+    # bf16 weights fit one H100 (the full fine-tuning without offload)
+    big = rank_strategies(PRESETS["llama-3-8b"], h100)
+    assert big
+    assert all(
+        (r.strategy.optimizer, r.strategy.master_weights) == ("adamw8bit", "none") for r in big
+    )

@@ -50,3 +50,32 @@ def adamw_loss(tmp_path_factory):
 def test_trains_the_tiny_preset_like_adamw(tmp_path, adamw_loss, optimizer):
     loss = final_loss(tmp_path, optimizer)
     assert loss <= BOUND[optimizer] * adamw_loss, (optimizer, loss, adamw_loss)
+
+
+def test_bf16_weights_without_masters_train_like_fp32_masters(tmp_path):
+    """--master-weights none (bf16 parameters, 8-bit AdamW with stochastic rounding) against the
+    same run with fp32 master weights, both under bf16 autocast: the final losses within 5%, and
+    the parameters really are bf16."""
+
+    def run(master_weights: str):
+        flags = {
+            "data": {"seq_len": 64},
+            "train": {"steps": 150, "micro_batch": 2, "warmup_steps": 10, "device": "cpu",
+                      "precision": "bf16", "optimizer": "adamw8bit",
+                      "master_weights": master_weights},
+            "checkpoint": {"out": str(tmp_path / master_weights)},
+        }  # fmt: skip
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            trainer = Trainer(build_config(flags=flags))
+            losses = [trainer.train_step().loss for _ in range(150)]
+        finally:
+            torch.set_num_threads(threads)
+        dtypes = {p.dtype for p in trainer.model.parameters()}
+        return sum(losses[-20:]) / 20, dtypes
+
+    masters, masters_dtypes = run("fp32")
+    bf16, bf16_dtypes = run("none")
+    assert masters_dtypes == {torch.float32} and bf16_dtypes == {torch.bfloat16}
+    assert bf16 == pytest.approx(masters, rel=0.05), (bf16, masters)

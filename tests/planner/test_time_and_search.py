@@ -56,7 +56,12 @@ def test_recommend_ranks_fitting_strategies_fastest_first():
 
 
 def test_recommend_refuses_what_the_engine_cannot_run():
-    assert rank_strategies(PRESETS["llama-2-7b"], GPUS["h100-sxm"]) == []
+    assert rank_strategies(PRESETS["llama-3-70b"], GPUS["h100-sxm"]) == []
+    # llama-2-7b: nothing with fp32 AdamW on one GPU; only 8-bit AdamW with bf16 weights fits
+    lean = rank_strategies(PRESETS["llama-2-7b"], GPUS["h100-sxm"])
+    assert lean and {(r.strategy.optimizer, r.strategy.master_weights) for r in lean} == {
+        ("adamw8bit", "none")
+    }
     with pytest.raises(ValueError, match="ZeRO"):
         rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], gpus=4)
 

@@ -90,6 +90,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--optimizer",
         help="a registered optimizer: adamw (default), adamw8bit, adafactor, sm3, sgd",
     )
+    p.add_argument(
+        "--master-weights",
+        choices=["fp32", "none"],
+        help="fp32 (default): fp32 parameters, bf16 compute; none: bf16 parameters updated with "
+        "stochastic rounding (--precision bf16 --optimizer adamw8bit)",
+    )
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
@@ -243,6 +249,7 @@ _TRAIN_FLAGS = {
     "precision": ("train", "precision"),
     "checkpointing": ("train", "checkpointing"),
     "optimizer": ("train", "optimizer"),
+    "master_weights": ("train", "master_weights"),
     "lr": ("train", "lr"),
     "seed": ("train", "seed"),
     "device": ("train", "device"),

@@ -120,6 +120,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         grad_accum=args.grad_accum,
         checkpointing=args.checkpointing,
         optimizer=args.optimizer,
+        master_weights=args.master_weights,
         zero=args.zero,
         offload=args.offload,
         world_size=args.gpus,
@@ -337,6 +338,12 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--checkpointing", choices=["none", "full", "selective"], default="none")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    p.add_argument(
+        "--master-weights",
+        choices=["fp32", "none"],
+        default="fp32",
+        help="none: bf16 parameters without fp32 masters (bf16, adamw8bit, one GPU)",
+    )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
     p.add_argument(

@@ -95,6 +95,7 @@ def model_state_bytes(
     zero: int = 0,
     world_size: int = 1,
     offload: str = "none",
+    param_bytes: int = 4,
 ) -> dict[str, int]:
     """Bytes per rank of the model states of data-parallel training with ZeRO `zero` over
     `world_size` ranks (Rajbhandari et al. 2020, "ZeRO", section 5), memfit's layout: the fp32
@@ -109,10 +110,19 @@ def model_state_bytes(
     on the GPU; `offload="optimizer"` moves the optimizer states to the host with an fp32 master
     copy of the shard and its gradient ("host": (8 + s) x the shard, stage 0 the whole model),
     `offload="params"` (stage 3) the parameter shards too. A shard is ceil(P/N) elements; real
-    buckets each pad to a multiple of N (fewer than N elements more per bucket)."""
+    buckets each pad to a multiple of N (fewer than N elements more per bucket). param_bytes: 2
+    for bf16 parameters without fp32 masters (`--master-weights none`, one process): their
+    gradients are bf16 too."""
     spec = get_optimizer(optimizer)
     P = num_params
     shard = math.ceil(P / world_size)
+    if param_bytes != 4:
+        return {
+            "params": param_bytes * P,
+            "grads": param_bytes * P,
+            "optimizer_states": math.ceil(spec.state_bytes_per_param * P),
+            "host": 0,
+        }
     params = 4 * (shard if zero == 3 else P)
     grads = {0: 4 * P, 1: 4 * P + 4 * shard, 2: 4 * shard, 3: 4 * shard}[zero]
     states = math.ceil(spec.state_bytes_per_param * (P if zero == 0 else shard))
@@ -142,7 +152,9 @@ def _adamw8bit(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
             "slower than adamw's fused CPU kernel; its 8-bit states save GPU memory, which the "
             "offload already does: --optimizer adamw is the faster choice with offload"
         )
-    return AdamW8bit(groups, lr=lr, betas=betas, eps=1e-8)
+    # bf16 parameters (no fp32 masters) take their updates with stochastic rounding
+    bf16 = any(p.dtype == torch.bfloat16 for group in groups for p in group["params"])
+    return AdamW8bit(groups, lr=lr, betas=betas, eps=1e-8, stochastic_rounding=bf16)
 
 
 def _adafactor(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:

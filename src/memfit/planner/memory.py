@@ -84,6 +84,8 @@ class Strategy:
     grad_accum: int = 1
     checkpointing: Literal["none", "full", "selective"] = "none"
     optimizer: str = "adamw"  # a registered optimizer (memfit.optim.OPTIMIZERS)
+    # fp32 master weights, or none: bf16 parameters and gradients (`--master-weights none`)
+    master_weights: Literal["fp32", "none"] = "fp32"
     # auto: what `--attention auto` runs for a model without a sliding window (SDPA)
     attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
     fused_cross_entropy: bool = True
@@ -106,6 +108,13 @@ class Strategy:
             optimizer=self.optimizer,
             world_size=self.world_size,
         )
+        if self.master_weights == "none" and (
+            self.precision != "bf16" or self.zero or self.offload != "none" or self.world_size > 1
+        ):
+            raise ValueError(
+                "master_weights='none' (bf16 parameters) needs bf16 precision on one process "
+                f"without ZeRO or offload: {self}"
+            )
 
     def describe(self) -> str:
         parts = [self.precision, f"mb {self.micro_batch}", f"seq {self.seq_len}"]
@@ -118,6 +127,8 @@ class Strategy:
             parts.append(f"offload {self.offload}")
         if self.optimizer != "adamw":
             parts.append(self.optimizer)
+        if self.master_weights == "none":
+            parts.append("bf16 weights, no masters")
         return ", ".join(parts)
 
 
@@ -206,7 +217,8 @@ def _cross_entropy(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:
     rows = min(T, max(256, rows // 256 * 256) if rows >= 256 else rows)
     logits = rows * s["V"] * 4
     grad_buffer = rows * s["V"] * 2 if strategy.precision == "bf16" else 0
-    weight_copy = s["V"] * s["h"] * 2 if low else 0
+    # autocast's bf16 copy of an fp32 output weight (bf16 parameters need none)
+    weight_copy = s["V"] * s["h"] * 2 if low and strategy.master_weights == "fp32" else 0
     return grad_hidden + grad_weight, logits + grad_buffer + weight_copy
 
 
@@ -226,8 +238,11 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         zero=strategy.zero,
         world_size=N,
         offload=strategy.offload,
+        param_bytes=2 if strategy.master_weights == "none" else 4,
     )
     params, grads, optimizer = states["params"], states["grads"], states["optimizer_states"]
+    # bytes of a gradient element: bf16 parameters (no masters) have bf16 gradients
+    g = 2 if strategy.master_weights == "none" else 4
 
     # activations of one micro-batch at the end of its forward
     per_layer = layer_activation_bytes(model, strategy)
@@ -235,8 +250,9 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     outside = c * T * s["h"] + 4 * T + 8 * T  # final norm input, its 1/rms, token ids
     activations = L * per_layer + outside
     ce_saved, ce_transient = _cross_entropy(model, strategy)
-    weight_copies = c_low * L * s["P_matmul_layer"]
-    output_grad = 4 * s["V"] * s["h"]
+    # (bf16 parameters: autocast has nothing to copy)
+    weight_copies = c_low * L * s["P_matmul_layer"] if strategy.master_weights == "fp32" else 0
+    output_grad = g * s["V"] * s["h"]
     if strategy.zero == 3:
         # parameters are gathered in the compute dtype (autocast copies nothing): the root (the
         # embedding, final norm and output projection) and two blocks, the running one and the
@@ -277,7 +293,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         temporaries=kept_copies + transient,
     )
     # ... and ends with every layer's activations and copies freed and its fp32 gradients made
-    layer_grad = 4 * s["P_layer"] // (N if strategy.zero >= 2 else 1)
+    layer_grad = g * s["P_layer"] // (N if strategy.zero >= 2 else 1)
     # ZeRO-3 keeps the root gathered to the end (the embedding's gradient comes last) and one
     # block's fp32 gradients in the reduce-scatter in flight
     zero3_last = c_param * root + 4 * s["P_layer"] if strategy.zero == 3 else 0
@@ -291,7 +307,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     step_temporary = 0
     if strategy.offload == "none":
         per_param = get_optimizer(strategy.optimizer).step_temporary_bytes_per_param
-        step_temporary = int(per_param * grads / 4)  # sized like the gradients this rank holds
+        step_temporary = int(per_param * grads / g)  # sized like the gradients this rank holds
     optimizer_step = phase(grads=grads, temporaries=step_temporary)
     candidates = {
         "forward": forward,

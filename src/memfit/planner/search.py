@@ -53,6 +53,27 @@ def rank_strategies(
             f"with `memfit plan --gpus {gpus} --zero S [--offload optimizer|params]` instead"
         )
     check_seq_len(model, seq_len, "seq_len")
+    # the optimizer asked for first; where nothing fits with AdamW, its memory-lean forms: 8-bit
+    # states (6 bytes per parameter fewer), then bf16 weights without fp32 masters (4 more)
+    tries = [(optimizer, "fp32")]
+    if optimizer == "adamw":
+        tries += [("adamw8bit", "fp32"), ("adamw8bit", "none")]
+    for name, master_weights in tries:
+        found = _search(model, gpu, seq_len, tokens_per_step, name, master_weights)
+        if found:
+            break
+    found.sort(key=lambda r: r.time.tokens_per_s, reverse=True)
+    return found[:limit]
+
+
+def _search(
+    model: ModelConfig,
+    gpu: GPU,
+    seq_len: int,
+    tokens_per_step: int,
+    optimizer: str,
+    master_weights: str,
+) -> list[Recommendation]:
     budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
     found = []
     for checkpointing in ("none", "selective", "full"):
@@ -66,14 +87,14 @@ def rank_strategies(
                 grad_accum=grad_accum,
                 checkpointing=checkpointing,
                 optimizer=optimizer,
+                master_weights=master_weights,
             )
             memory = plan(model, strategy, gpu)
             if memory.required_bytes > budget:
                 break  # larger micro-batches need more still
             found.append(Recommendation(strategy, memory, step_time(model, strategy, gpu)))
             micro_batch *= 2
-    found.sort(key=lambda r: r.time.tokens_per_s, reverse=True)
-    return found[:limit]
+    return found
 
 
 def recommend(model: ModelConfig, gpu: GPU, **options) -> list[Strategy]:

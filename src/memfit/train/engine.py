@@ -178,6 +178,13 @@ class Trainer:
         self.model = build_model(
             self.model_config, device=self.device, attention=attention, seed=train.seed
         )
+        if train.master_weights == "none":  # the parameters are the bf16 weights themselves
+            if self.precision != "bf16":
+                raise ConfigError(
+                    f"--master-weights none keeps bf16 parameters: it needs --precision bf16 "
+                    f"(this run resolved to {self.precision})"
+                )
+            self.model.to(torch.bfloat16)
         self.model.train()
 
         # 5. techniques, in order: activation checkpointing, compile, ZeRO-3 sharding
@@ -520,6 +527,7 @@ class Trainer:
             precision=self.precision, micro_batch=train.micro_batch,
             seq_len=self.config.data.seq_len, grad_accum=train.grad_accum,
             checkpointing=train.checkpointing, optimizer=train.optimizer,
+            master_weights=train.master_weights,
             attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
             world_size=self.world.world_size,
         )  # fmt: skip
