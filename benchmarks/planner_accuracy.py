@@ -27,7 +27,7 @@ from memfit.planner.memory import Strategy, plan
 from memfit.train.engine import Trainer
 from memfit.train.precision import autocast
 
-# (model, seq_len, micro_batch, checkpointing, precision, optimizer)
+# (model, seq_len, micro_batch, checkpointing, precision, optimizer[, master weights])
 CONFIGS = [
     ("tiny", 512, 16, "none", "fp32", "adamw"),
     ("tiny", 512, 32, "full", "bf16", "sgd"),
@@ -45,6 +45,11 @@ CONFIGS = [
     ("llama-2-7b", 2048, 1, "full", "bf16", "sgd"),
     ("llama-2-7b", 512, 1, "full", "bf16", "adamw"),
     ("llama-3-8b", 1024, 1, "full", "bf16", "adamw"),
+    ("llama-1b", 2048, 8, "full", "bf16", "adamw8bit"),
+    ("llama-1b", 2048, 8, "full", "bf16", "adamw8bit", "none"),
+    ("llama-1b", 2048, 4, "none", "bf16", "adafactor"),
+    ("llama-3-8b", 2048, 1, "full", "bf16", "adamw8bit", "none"),
+    ("llama-3-8b", 2048, 4, "full", "bf16", "adamw8bit", "none"),
 ]
 
 
@@ -55,6 +60,7 @@ def measure(
     checkpointing: str,
     precision: str,
     optimizer: str,
+    master_weights: str,
     steps: int,
 ) -> dict:
     gc.collect()
@@ -71,6 +77,7 @@ def measure(
                         "checkpointing": checkpointing,
                         "precision": precision,
                         "optimizer": optimizer,
+                        "master_weights": master_weights,
                         "lr": 1e-5,
                         "steps": steps,
                     },
@@ -117,23 +124,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument(
+        "--match", nargs="*", help="only the configurations whose description holds one of these"
+    )
     args = parser.parse_args()
     gpu = detect_gpu()
     if gpu is None:
         raise SystemExit("benchmarks/planner_accuracy.py needs a CUDA GPU of the planner's catalog")
     records = []
-    for model, seq_len, micro_batch, checkpointing, precision, optimizer in CONFIGS:
+    for model, seq_len, micro_batch, checkpointing, precision, optimizer, *rest in CONFIGS:
+        master_weights = rest[0] if rest else "fp32"
         strategy = Strategy(
             precision=precision,
             micro_batch=micro_batch,
             seq_len=seq_len,
             checkpointing=checkpointing,
             optimizer=optimizer,
+            master_weights=master_weights,
         )
+        described = f"{model} {strategy.describe()}"
+        if args.match and not any(m in described for m in args.match):
+            continue
         predicted = plan(load_model_config(model), strategy, gpu)
         measured = measure(
-            model, seq_len, micro_batch, checkpointing, precision, optimizer, args.steps
-        )
+            model, seq_len, micro_batch, checkpointing, precision, optimizer, master_weights,
+            args.steps,
+        )  # fmt: skip
         error = None
         if measured["peak_bytes"]:
             error = predicted.peak_bytes / measured["peak_bytes"] - 1
