@@ -261,3 +261,24 @@ def test_stochastic_rounding_keeps_updates_below_the_bf16_step(triton):
         exact = (1 - 1e-4) ** 100
         assert finals[True].mean().item() == pytest.approx(exact, abs=2e-4)
         assert finals[True].std().item() > 0
+
+
+def test_the_torch_path_in_chunks_equals_one_pass(monkeypatch):
+    """The CPU step in chunks of a multiple of the block: bitwise the values of one pass."""
+    import memfit.optim.adamw8bit as module
+
+    generator = torch.Generator().manual_seed(5)
+    weights = [torch.randn(3000, 7, generator=generator) for _ in range(2)]
+    grads = [[torch.randn(3000, 7, generator=generator) for _ in range(2)] for _ in range(3)]
+    results = []
+    for chunk in (1 << 20, 512):
+        monkeypatch.setattr(module, "CPU_CHUNK", chunk)
+        w = torch.nn.Parameter(weights[0].clone())
+        optimizer = AdamW8bit([w], lr=1e-2)
+        for step_grads in grads:
+            w.grad = step_grads[0].clone()
+            optimizer.step()
+        results.append((w.detach().clone(), dict(optimizer.state[w])))
+    assert torch.equal(results[0][0], results[1][0])
+    for key, value in results[0][1].items():
+        assert torch.equal(value, results[1][1][key]), key

@@ -50,6 +50,33 @@ def state_bytes(numel: int, *, quantized: bool = True) -> int:
     return 2 * numel + 2 * 4 * -(-numel // BLOCK)
 
 
+CPU_CHUNK = 1 << 20  # elements per pass of the torch path (a multiple of BLOCK)
+
+
+def _torch_step(param: Tensor, grad: Tensor, state: dict, *, stochastic_seed, **options) -> None:
+    """`adamw_step_reference` over chunks of CPU_CHUNK elements of a contiguous tensor (the
+    blocks are the same, so are the values; stochastic rounding draws per chunk): its fp32
+    temporaries stay a few MiB and in cache instead of several of the tensor's size."""
+    n = param.numel()
+    if n <= CPU_CHUNK or not (param.is_contiguous() and grad.is_contiguous()):
+        adamw_step_reference(param, grad, state, stochastic_seed=stochastic_seed, **options)
+        return
+    flat = {key: value.view(-1) for key, value in state.items() if key != "step"}
+    for index, start in enumerate(range(0, n, CPU_CHUNK)):
+        end = min(start + CPU_CHUNK, n)
+        part = {
+            key: value[start // BLOCK : -(-end // BLOCK)]
+            if key.endswith("absmax")
+            else value[start:end]
+            for key, value in flat.items()
+        }
+        seed = None if stochastic_seed is None else stochastic_seed + index
+        adamw_step_reference(
+            param.view(-1)[start:end], grad.view(-1)[start:end], part, stochastic_seed=seed,
+            **options,
+        )  # fmt: skip
+
+
 class AdamW8bit(torch.optim.Optimizer):
     def __init__(
         self,
@@ -139,9 +166,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 step = int(state["step"].item())
                 if not use_triton(param) or not param.is_contiguous():  # (flat offsets)
                     seed = self._seed(step, param) if self.stochastic_rounding else None
-                    adamw_step_reference(
-                        param, grad, state, step=step, stochastic_seed=seed, **options
-                    )
+                    _torch_step(param, grad, state, step=step, stochastic_seed=seed, **options)
                     continue
                 key = (param.device, param.dtype, "exp_avg_codes" in state, step)
                 batch = launches.setdefault(key, ([], [], []))
