@@ -73,6 +73,14 @@ def test_the_planner_counts_bf16_weights_without_masters():
     assert masters.peak_bytes - bf16.peak_bytes >= 3.9 * P
     with pytest.raises(ValueError, match="needs bf16 precision on one process"):
         Strategy(**common, master_weights="none", zero=1, world_size=2)
+    # the time model's update: bf16 parameters and gradients move 6 bytes per parameter fewer
+    from memfit.planner import get_gpu, step_time
+
+    h100 = get_gpu("h100-sxm")
+    fp32_step = step_time(model, Strategy(**common), h100).optimizer_s
+    bf16_step = step_time(model, Strategy(**common, master_weights="none"), h100).optimizer_s
+    fp32_bytes = OPTIMIZERS["adamw8bit"].update_bytes_per_param
+    assert bf16_step / fp32_step == pytest.approx((fp32_bytes - 6) / fp32_bytes)
 
 
 def test_the_recommender_reaches_for_the_lean_forms_only_where_adamw_does_not_fit():

@@ -144,6 +144,10 @@ def step_time(
 
     N = strategy.world_size
     bytes_per_param = get_optimizer(strategy.optimizer).update_bytes_per_param
+    if strategy.master_weights == "none":
+        # bf16 parameters and gradients: 2 bytes instead of 4 for the parameter read and written
+        # and the gradient read (the registry counts fp32 ones)
+        bytes_per_param -= 3 * 2
     shard = P / N if strategy.zero >= 1 else P
     if strategy.offload == "none":
         optimizer = shard * bytes_per_param / hbm
