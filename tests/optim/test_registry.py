@@ -97,3 +97,25 @@ def test_the_recommender_reaches_for_the_lean_forms_only_where_adamw_does_not_fi
     assert all(
         (r.strategy.optimizer, r.strategy.master_weights) == ("adamw8bit", "none") for r in big
     )
+
+
+def test_recommend_prints_the_command_that_runs_its_first_strategy():
+    """`memfit plan --recommend`'s last line is a `memfit train` command line that the CLI
+    parses into the recommended strategy's settings."""
+    import shlex
+
+    from memfit.cli.main import _run_config, build_parser
+    from memfit.cli.plan import train_command
+    from memfit.models.config import PRESETS
+    from memfit.planner import get_gpu, rank_strategies
+
+    best = rank_strategies(PRESETS["llama-3-8b"], get_gpu("h100-sxm"))[0].strategy
+    argv = shlex.split(train_command("llama-3-8b", best))
+    assert argv[:2] == ["memfit", "train"]
+    config = _run_config(build_parser().parse_args(argv[1:]))
+    train = config.train
+    assert (train.optimizer, train.master_weights) == (best.optimizer, best.master_weights)
+    assert (train.micro_batch, train.grad_accum, train.checkpointing) == (
+        best.micro_batch, best.grad_accum, best.checkpointing
+    )  # fmt: skip
+    assert config.data.seq_len == best.seq_len and config.model.name == "llama-3-8b"

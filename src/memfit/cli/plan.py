@@ -86,7 +86,28 @@ def run_rank_strategies(args: argparse.Namespace, console: Console, model: Model
             f"{r.time.total_s:.2f}",
         )
     console.print(table)
+    best = found[0].strategy
+    if best.optimizer != args.optimizer:
+        console.print(
+            f"nothing fits with {args.optimizer}: these keep {best.optimizer}'s states"
+            + (" and bf16 weights without fp32 masters" if best.master_weights == "none" else "")
+        )
+    console.print(f"run the first: {escape(train_command(model.name, best))}", highlight=False)
     return 0
+
+
+def train_command(model: str, strategy: Strategy) -> str:
+    """The `memfit train` command line of a single-GPU strategy."""
+    parts = [
+        f"memfit train --model {model} --precision {strategy.precision}",
+        f"--seq-len {strategy.seq_len} --micro-batch {strategy.micro_batch}",
+        f"--grad-accum {strategy.grad_accum} --checkpointing {strategy.checkpointing}",
+    ]
+    if strategy.optimizer != "adamw":
+        parts.append(f"--optimizer {strategy.optimizer}")
+    if strategy.master_weights != "fp32":
+        parts.append(f"--master-weights {strategy.master_weights}")
+    return " ".join(parts)
 
 
 def check_plan_flags(args: argparse.Namespace) -> None:
