@@ -68,10 +68,9 @@ from memfit.ops.optim_factored import (
     adafactor_factored_update,
     adafactor_full_update,
 )
+from memfit.optim.states import load_states_as_saved
 
-__all__ = ["Adafactor", "restore_fp32_states", "state_bytes"]
-
-_FP32_STATES = ("row", "col", "sq")
+__all__ = ["Adafactor", "state_bytes"]
 
 
 def state_bytes(
@@ -88,24 +87,6 @@ def state_bytes(
     else:
         statistics = 4 * numel
     return statistics + (numel * dtype.itemsize if beta1 is not None else 0)
-
-
-def restore_fp32_states(
-    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], keys: Iterable[str]
-) -> None:
-    """After torch's Optimizer.load_state_dict, which casts every state tensor to its
-    parameter's dtype: set the states named `keys` again from `state_dict`, in fp32 (copies),
-    and the step counters as CPU tensors."""
-    keys = tuple(keys)
-    for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups, strict=True):
-        for param_id, param in zip(saved_group["params"], group["params"], strict=True):
-            saved = state_dict["state"].get(param_id, {})
-            state = optimizer.state[param]
-            for key in keys:
-                if key in saved:
-                    state[key] = saved[key].to(param.device, torch.float32, copy=True)
-            if "step" in saved:
-                state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
 
 
 def _check_options(group: dict[str, Any]) -> None:
@@ -211,8 +192,7 @@ class Adafactor(torch.optim.Optimizer):
         _check_options(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        restore_fp32_states(self, state_dict, _FP32_STATES)
+        load_states_as_saved(self, state_dict)  # (torch would cast them to bf16 parameters')
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -35,6 +35,7 @@ from memfit.ops.adamw8bit import (
     fused_adamw_step,
     quantize,
 )
+from memfit.optim.states import load_states_as_saved
 
 __all__ = ["AdamW8bit", "state_bytes"]
 
@@ -219,24 +220,14 @@ class AdamW8bit(torch.optim.Optimizer):
         to the parameter's dtype, which would turn the codes into floats and round a bf16
         parameter's fp32 moments); states in `checkpoint_state`'s form are quantized (or kept
         in 32 bits) as this optimizer keeps them for the parameter."""
-        saved = state_dict["state"]
-        super().load_state_dict({**state_dict, "state": {}})
-        groups = [(p, group) for group in self.param_groups for p in group["params"]]
-        for index, values in saved.items():
-            param, group = groups[index]
-            state = {
-                key: value.detach().clone().cpu()
-                if key == "step"
-                else value.detach().to(param.device, copy=True)
-                for key, value in values.items()
-            }
-            if "exp_avg_codes" not in state:
-                state = self._from_checkpoint(param, group, state)
-            self.state[param] = state
+        load_states_as_saved(self, state_dict, self._from_checkpoint)
 
     def _from_checkpoint(self, param: Tensor, group: dict, state: dict) -> dict:
-        """Per-element fp32 moments (exp_avg, and exp_avg_sq or its root) in the form this
-        optimizer keeps for `param`."""
+        """A loaded state in the form this optimizer keeps for `param`: per-element fp32
+        moments (exp_avg, and exp_avg_sq or its root) quantized or kept in 32 bits; 8-bit states
+        as they are."""
+        if "exp_avg_codes" in state:
+            return state
         m = state.pop("exp_avg").float().view(param.shape)
         root = state.pop("exp_avg_sq_root", None)
         squares = state.pop("exp_avg_sq", None)

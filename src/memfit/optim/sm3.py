@@ -51,11 +51,9 @@ from torch import Tensor
 
 from memfit.ops._triton import use_triton
 from memfit.ops.optim_factored import KERNEL_DTYPES, sm3_matrix_update, sm3_vector_update
-from memfit.optim.adafactor import restore_fp32_states
+from memfit.optim.states import load_states_as_saved
 
 __all__ = ["SM3", "state_bytes"]
-
-_FP32_STATES = ("row_acc", "col_acc", "acc")
 
 
 def state_bytes(
@@ -119,8 +117,7 @@ class SM3(torch.optim.Optimizer):
         _check_options(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        restore_fp32_states(self, state_dict, _FP32_STATES)
+        load_states_as_saved(self, state_dict)  # (torch would cast them to bf16 parameters')
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
