@@ -74,6 +74,19 @@ def test_a_plan_that_does_not_fit_says_by_how_much_and_what_fits():
     assert "--offload optimizer" in fixes or any(label.startswith("--zero 3") for label in fixes)
 
 
+def test_what_would_fit_leaves_out_changes_the_strategy_cannot_take():
+    """bf16 weights without masters run on one process without offload: the advice for a
+    run of them that does not fit (what a GPU run's preflight prints) offers neither."""
+    model = load_model_config("llama-3-8b")
+    strategy = Strategy(
+        precision="bf16", micro_batch=8, seq_len=4096, optimizer="adamw8bit", master_weights="none"
+    )
+    assert not plan(model, strategy, get_gpu("h100-sxm")).fits
+    fixes = dict(what_would_fit(model, strategy, get_gpu("h100-sxm")))
+    assert "--checkpointing full" in fixes
+    assert not any("offload" in label or "zero" in label for label in fixes)
+
+
 def test_loss_buffers_are_far_below_the_logits():
     model = PRESETS["llama-3-8b"]
     strategy = Strategy(micro_batch=4, seq_len=8192)

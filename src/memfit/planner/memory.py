@@ -389,47 +389,37 @@ def gib(n: float) -> str:
 def what_would_fit(
     model: ModelConfig, strategy: Strategy, gpu: GPU
 ) -> list[tuple[str, MemoryPlan]]:
-    """Single changes to `strategy` that make it fit `gpu`, cheapest first (in expected speed)."""
-    candidates: list[tuple[str, Strategy]] = []
+    """Single changes to `strategy` that make it fit `gpu`, cheapest first (in expected speed).
+    A change that the strategy cannot take (offload or ZeRO with bf16 weights, say) is left out."""
+    candidates: list[tuple[str, dict]] = []
     if strategy.checkpointing != "selective":
-        candidates.append(
-            ("--checkpointing selective", replace(strategy, checkpointing="selective"))
-        )
+        candidates.append(("--checkpointing selective", {"checkpointing": "selective"}))
     if strategy.checkpointing != "full":
-        candidates.append(("--checkpointing full", replace(strategy, checkpointing="full")))
+        candidates.append(("--checkpointing full", {"checkpointing": "full"}))
     mb = strategy.micro_batch
     while mb > 1:
         mb //= 2
         accum = strategy.grad_accum * math.ceil(strategy.micro_batch / mb)
         candidates.append(
-            (
-                f"--micro-batch {mb} --grad-accum {accum}",
-                replace(strategy, micro_batch=mb, grad_accum=accum),
-            )
+            (f"--micro-batch {mb} --grad-accum {accum}", {"micro_batch": mb, "grad_accum": accum})
         )
     if strategy.checkpointing != "full" and strategy.micro_batch > 1:
+        accum = strategy.grad_accum * strategy.micro_batch
         candidates.append(
             (
                 "--checkpointing full --micro-batch 1",
-                replace(
-                    strategy,
-                    checkpointing="full",
-                    micro_batch=1,
-                    grad_accum=strategy.grad_accum * strategy.micro_batch,
-                ),
+                {"checkpointing": "full", "micro_batch": 1, "grad_accum": accum},
             )
         )
     if strategy.offload == "none":
-        candidates.append(("--offload optimizer", replace(strategy, offload="optimizer")))
+        candidates.append(("--offload optimizer", {"offload": "optimizer"}))
     for gpus in (2, 4, 8, 16, 32, 64):
         if gpus > strategy.world_size:
-            candidates.append(
-                (f"--zero 3 on {gpus} GPUs", replace(strategy, zero=3, world_size=gpus))
-            )
+            candidates.append((f"--zero 3 on {gpus} GPUs", {"zero": 3, "world_size": gpus}))
     found = []
-    for label, candidate in candidates:
+    for label, changes in candidates:
         try:
-            result = plan(model, candidate, gpu)
+            result = plan(model, replace(strategy, **changes), gpu)
         except ValueError:
             continue
         if result.fits:
