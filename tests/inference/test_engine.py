@@ -227,6 +227,24 @@ def test_pipelined_greedy_decoding_matches_full_recompute(model, num_blocks):
     assert cache.pool.num_free == num_blocks and not cache.tables
 
 
+def test_pipelined_steps_replay_on_what_the_step_before_left(model):
+    """A decode step leaves its argmax and the advanced positions, slots and lengths on the
+    device: the next step of the same sequence is not staged from the host, except when it
+    enters a new cache block (every 4 tokens here), and the tokens are full recompute's."""
+    from memfit.inference.cuda_graphs import DecodeGraphs
+
+    (prompt,) = prompts((5,))
+    cache = PagedKVCache(
+        model.config, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=64, max_running=4)
+    engine.graphs = DecodeGraphs(model, cache, max_batch=4, max_seq_len=engine.max_context)
+    engine.add(prompt, SamplingParams(max_tokens=24))
+    assert engine.run() == [full_recompute(model, prompt, 24)]
+    assert engine.decode_steps == 23
+    assert engine.graphs.staged_steps <= 23 / 4 + 1
+
+
 def test_pipelined_sampling_draws_what_the_plain_steps_draw(model):
     """Seeded sampled rows (temperature, top-p, top-k, min-p, repetition penalty, log-probs)
     decoded in pipelined steps draw the tokens, and report the log-probs, of ordinary steps: a

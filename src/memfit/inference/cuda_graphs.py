@@ -12,6 +12,11 @@ longest context the engine allows, so any length up to it replays correctly.
 
 All graphs share one memory pool, captured largest first, so the pool is the largest graph's
 activations, not their sum.
+
+A graph ends with `greedy_advance`: the argmax of greedy rows written where the next step reads
+its token, and every row's position, slot and length moved on by one. The next step of the same
+sequences then replays at once, with nothing copied from the host, unless one of them has
+crossed into a new cache block (every `block_size` steps), when its inputs are staged again.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import Tensor
 from memfit.inference.paged_cache import PagedKVCache
 from memfit.nn.attention import AttentionMetadata
 from memfit.ops._triton import programmatic_launch
+from memfit.ops.greedy_advance import argmax_scratch, greedy_advance
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -43,18 +49,25 @@ class DecodeGraphs:
         device = cache.device
         width = -(-max_seq_len // cache.block_size)
         self.width = width
-        # the per-row inputs: tokens, positions, slots, lengths (int64 rows of one buffer), and
-        # the block table; staged on the host in pinned buffers and copied with two transfers
-        self._rows = torch.zeros(4, max_batch, dtype=torch.long, device=device)
+        # the per-row inputs: tokens, positions, slots, lengths, live and greedy flags (int64
+        # rows of one buffer, `greedy_advance`'s layout), and the block table; staged on the host
+        # in pinned buffers and copied with two transfers
+        self._rows = torch.zeros(6, max_batch, dtype=torch.long, device=device)
         self.tokens, self.positions = self._rows[0:1], self._rows[1]
         self.slots, self.seq_lens = self._rows[2], self._rows[3]
         self.block_table = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
         self.seq_index = torch.arange(max_batch, device=device)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._argmax_scratch = argmax_scratch(max_batch, device)
         pinned = {"pin_memory": device.type == "cuda"}
-        self._rows_host = torch.zeros(max_batch, 4, dtype=torch.long, **pinned)
+        self._rows_host = torch.zeros(max_batch, 6, dtype=torch.long, **pinned)
         self._table_host = torch.zeros(max_batch * width, dtype=torch.int32, **pinned)
-        self._rows_staged = torch.zeros(max_batch, 4, dtype=torch.long, device=device)
+        self._rows_staged = torch.zeros(max_batch, 6, dtype=torch.long, device=device)
+        # what the device holds after the last step: its bucket, sequences, greedy flag and
+        # each row's next position (the last step's graph advanced them); None: nothing
+        self._advanced: tuple | None = None
+        self.staged_steps = 0
+        """Steps whose inputs were copied from the host (the others replayed at once)."""
         # a pipelined step's inputs are staged while the step before it runs: the host buffers
         # are rewritten only once their last copy has left (this event)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -83,7 +96,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket's graph, largest first (they share its memory pool). Every row
         a padding row while they run: warm-up and capture write only the scratch block."""
-        self._stage([], [], max(self.buckets))
+        self._stage([], [], max(self.buckets), False)
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):
@@ -97,26 +110,31 @@ class DecodeGraphs:
             self.pool = graph.pool()
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.cache.device)
+        self._advanced = None
 
     def _forward(self, batch: int) -> Tensor:
         with programmatic_launch():  # the weights stay constant during a step
             logits = self.model(
                 self.tokens[:, :batch], metadata=self._metadata(batch), kv_cache=self.cache
+            )[0]  # (batch, vocab)
+            greedy_advance(
+                logits, self._rows, self.block_table, self.cache.block_size, self._argmax_scratch
             )
-        return logits[0]  # (batch, vocab)
+        return logits
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured batch size >= batch (None: too many rows for any graph)."""
         return next((b for b in self.buckets if b >= batch), None)
 
     @torch.inference_mode()
-    def run(self, seq_ids: list[int], tokens: list[int] | None) -> Tensor:
+    def run(self, seq_ids: list[int], tokens: list[int] | None, *, greedy: bool = False) -> Tensor:
         """Decode one token of each sequence (its cache slot is reserved here): the logits
         (len(seq_ids), vocab), a view of the graph's output valid until the next replay.
-        tokens None: each row's token is the one `greedy` left on the device for it (the rows
-        are the last step's, in its order): the step is queued without waiting for the host."""
+        tokens None: each row's token is the one left on the device for it by the step before
+        (its argmax, or `feed`; the rows are the last step's, in its order): the step is queued
+        without waiting for the host. greedy: the step leaves its argmax there (see `greedy`)."""
         bucket = self.bucket(len(seq_ids))
-        self._stage(seq_ids, tokens, bucket)
+        self._stage(seq_ids, tokens, bucket, greedy)
         if bucket not in self.graphs:  # not captured (a CPU): the same step, run eagerly
             self._last = self._forward(bucket)[: len(seq_ids)]
         else:
@@ -131,11 +149,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def greedy(self) -> Callable[[], tuple[list[int], None]]:
-        """The argmax of the last step's logits, written where the next step reads its tokens;
-        see `feed`."""
-        tokens = self.tokens[0, : self._last.shape[0]]
-        torch.argmax(self._last, dim=-1, out=tokens)
-        return self._send(tokens, None)
+        """The argmax of the last step's logits (a step run with greedy=True leaves it where
+        the next step reads its tokens): see `feed`."""
+        if self._advanced is None or not self._advanced[2]:
+            raise RuntimeError("greedy() needs a step run with greedy=True before it")
+        return self._send(self.tokens[0, : self._last.shape[0]], None)
 
     @torch.inference_mode()
     def feed(
@@ -169,25 +187,39 @@ class DecodeGraphs:
 
         return wait
 
-    def _stage(self, seq_ids: list[int], tokens: list[int] | None, bucket: int) -> None:
+    def _stage(
+        self, seq_ids: list[int], tokens: list[int] | None, bucket: int, greedy: bool
+    ) -> None:
         """Fill the inputs of `bucket` rows: the sequences' (their slots reserved in the cache),
-        then padding rows (token 0 at position 0 in the scratch block). Two host-to-device
-        copies, both from pinned memory, and one transpose on the device; without `tokens`
-        the token row is left as it is."""
+        then padding rows (token 0 at position 0 in the scratch block). Nothing to do when the
+        last step's graph has advanced the same sequences to where they are (no new tokens
+        from the host, no new block); else two host-to-device copies, both from pinned memory,
+        and one transpose on the device; without `tokens` the token row is left as it is."""
         cache, batch = self.cache, len(seq_ids)
+        positions = [cache.lengths.get(seq_id, 0) for seq_id in seq_ids]
+        blocks = [len(cache.tables.get(seq_id, ())) for seq_id in seq_ids]
+        slots = [cache.append(seq_id, 1)[0] for seq_id in seq_ids]
+        key = (bucket, tuple(seq_ids), greedy)
+        advanced, self._advanced = self._advanced, (*key, tuple(p + 1 for p in positions))
+        if (
+            tokens is None
+            and advanced == (*key, tuple(positions))
+            and all(len(cache.tables[s]) == n for s, n in zip(seq_ids, blocks, strict=True))
+        ):
+            return  # the device holds these inputs already
+        self.staged_steps += 1
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have left the host buffers
         rows = self._rows_host.numpy()
-        for row, seq_id in enumerate(seq_ids):
-            position = cache.lengths.get(seq_id, 0)
-            (slot,) = cache.append(seq_id, 1)
-            rows[row] = (tokens[row] if tokens is not None else 0, position, slot, position + 1)
+        for row, (position, slot) in enumerate(zip(positions, slots, strict=True)):
+            token = tokens[row] if tokens is not None else 0
+            rows[row] = (token, position, slot, position + 1, 1, int(greedy))
         tables = [cache.tables[seq_id] for seq_id in seq_ids]
         width = max((len(t) for t in tables), default=1)
         table = self._table_host.numpy()[: bucket * width].reshape(bucket, width)
         for row, blocks in enumerate(tables):
             table[row, : len(blocks)] = blocks
-        rows[batch:bucket] = (0, 0, cache.scratch_block * cache.block_size, 1)
+        rows[batch:bucket] = (0, 0, cache.scratch_block * cache.block_size, 1, 0, 0)
         table[batch:bucket, 0] = cache.scratch_block
         staged = self._rows_staged[:bucket]
         staged.copy_(self._rows_host[:bucket], non_blocking=True)

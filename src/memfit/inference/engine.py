@@ -390,7 +390,7 @@ class Engine:
         ids = [r.id for r in requests]
         plain = all(_plain_greedy(r.params) for r in requests)
         start = time.perf_counter()
-        graphs.run(ids, [r.pending(1)[0] for r in requests])
+        graphs.run(ids, [r.pending(1)[0] for r in requests], greedy=plain)
         tokens_of = self._draw(requests, plain, ahead=0)
         for r in requests:
             r.computed += 1
@@ -403,7 +403,7 @@ class Engine:
                 and self._fits_one_more(requests)
             )
             if queue_next:
-                graphs.run(ids, None)  # its tokens: those just drawn, still on the GPU
+                graphs.run(ids, None, greedy=plain)  # its tokens: those drawn on the GPU
                 # drawn for outputs one token longer than the host has seen so far
                 next_tokens_of = self._draw(requests, plain, ahead=1)
             start = self._accept_decode_step(requests, *tokens_of(), start)
