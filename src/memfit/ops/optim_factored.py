@@ -55,6 +55,7 @@ __all__ = [
     "StripGrid",
     "adafactor_factored_update",
     "adafactor_full_update",
+    "matrix_table",
     "sm3_matrix_update",
     "sm3_vector_update",
     "strip_grid",
@@ -226,9 +227,17 @@ def _apply_update(
 
 
 @triton.jit
+def _matrix_pointer(table_ptr, num_matrices, column: tl.constexpr, matrix, like):
+    """The address in `column` of the matrix table (see `MatrixTable`), as `like`'s type."""
+    return tl.load(table_ptr + column * num_matrices + matrix).to(like.dtype)
+
+
+@triton.jit
 def _adafactor_square_sums_kernel(
-    g_ptr,
-    p_ptr,
+    table_ptr,
+    num_matrices,
+    g0_ptr,
+    p0_ptr,
     row_partials_ptr,
     col_partials_ptr,
     param_partials_ptr,
@@ -241,16 +250,18 @@ def _adafactor_square_sums_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Pass 1. row_partials (col_tiles, batch * rows): this program's sums of g**2 along its
-    columns of each row; col_partials (batch * row_groups, cols): the sums along its rows of
+    """Pass 1. row_partials (col_tiles, matrices * rows): this program's sums of g**2 along its
+    columns of each row; col_partials (matrices * row_groups, cols): the sums along its rows of
     each column; param_partials (programs,): its sum of p**2 (SCALE_PARAMETER)."""
     matrix, row_start, row_end, col_index = _strip(rows, rows_per_group, row_groups, cols, BLOCK_N)
-    total_rows = (tl.num_programs(0) // row_groups) * rows
+    g_ptr = _matrix_pointer(table_ptr, num_matrices, 1, matrix, g0_ptr)
+    p_ptr = _matrix_pointer(table_ptr, num_matrices, 0, matrix, p0_ptr)
+    total_rows = num_matrices * rows
     col_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     param_squares = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tiles_per_program):
         row_index, rows_ok, offsets, mask = _tile(
-            matrix, row_start + tile * BLOCK_M, row_end, rows, cols, col_index, BLOCK_M
+            0, row_start + tile * BLOCK_M, row_end, rows, cols, col_index, BLOCK_M
         )
         g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         square = g * g
@@ -271,8 +282,9 @@ def _adafactor_square_sums_kernel(
 
 @triton.jit
 def _adafactor_ema_kernel(
-    row_ptr,
-    col_ptr,
+    table_ptr,
+    num_matrices,
+    stats0_ptr,
     row_partials_ptr,
     col_partials_ptr,
     row_sum_partials_ptr,
@@ -287,12 +299,14 @@ def _adafactor_ema_kernel(
     eps1,
     BLOCK: tl.constexpr,
 ):
-    """Pass 2 (tiny), grid (batch, col_blocks + row_blocks). The first col_blocks programs of
-    a matrix update BLOCK of its column statistics C (batch, cols), the others BLOCK of its row
-    statistics R (batch, rows) and write their sum of the new R to row_sum_partials
-    (batch, row_blocks). mean(g**2) = sum / count, and eps1 is added to the mean."""
+    """Pass 2 (tiny), grid (matrices, col_blocks + row_blocks). The first col_blocks programs
+    of a matrix update BLOCK of its column statistics C (cols,), the others BLOCK of its row
+    statistics R (rows,) and write their sum of the new R to row_sum_partials
+    (matrices, row_blocks). mean(g**2) = sum / count, and eps1 is added to the mean."""
     matrix = tl.program_id(0)
     block = tl.program_id(1)
+    row_ptr = _matrix_pointer(table_ptr, num_matrices, 3, matrix, stats0_ptr)
+    col_ptr = _matrix_pointer(table_ptr, num_matrices, 4, matrix, stats0_ptr)
     if block < col_blocks:
         col_index = block * BLOCK + tl.arange(0, BLOCK)
         ok = col_index < cols
@@ -300,9 +314,9 @@ def _adafactor_ema_kernel(
         for group in range(0, row_groups):
             partials = col_partials_ptr + (matrix * row_groups + group).to(tl.int64) * cols
             sums += tl.load(partials + col_index, mask=ok, other=0.0)
-        col = tl.load(col_ptr + matrix * cols + col_index, mask=ok, other=0.0)
+        col = tl.load(col_ptr + col_index, mask=ok, other=0.0)
         col = beta2 * col + one_minus_beta2 * (sums / rows + eps1)
-        tl.store(col_ptr + matrix * cols + col_index, col, mask=ok)
+        tl.store(col_ptr + col_index, col, mask=ok)
     else:
         row_block = block - col_blocks
         row_index = row_block * BLOCK + tl.arange(0, BLOCK)
@@ -312,27 +326,29 @@ def _adafactor_ema_kernel(
         for tile in range(0, col_tiles):
             partials = row_partials_ptr + tile * total_rows + matrix * rows
             sums += tl.load(partials + row_index, mask=ok, other=0.0)
-        row = tl.load(row_ptr + matrix * rows + row_index, mask=ok, other=0.0)
+        row = tl.load(row_ptr + row_index, mask=ok, other=0.0)
         row = beta2 * row + one_minus_beta2 * (sums / cols + eps1)
-        tl.store(row_ptr + matrix * rows + row_index, row, mask=ok)
+        tl.store(row_ptr + row_index, row, mask=ok)
         row_sum = tl.sum(tl.where(ok, row, 0.0), axis=0)
         tl.store(row_sum_partials_ptr + matrix * row_blocks + row_block, row_sum)
 
 
 @triton.jit
-def _factored_scaled_gradient(g, row_ptr, matrix, rows, row_index, rows_ok, row_mean, col_factor):
+def _factored_scaled_gradient(g, row_ptr, row_index, rows_ok, row_mean, col_factor):
     """u = g / sqrt(R_i C_j / mean(R)) of a (BLOCK_M, BLOCK_N) tile, as (g * rsqrt(R_i /
-    mean(R))) * rsqrt(C_j), the order of the PyTorch path. col_factor: rsqrt(C_j), (BLOCK_N,)."""
-    row = tl.load(row_ptr + matrix * rows + row_index, mask=rows_ok, other=1.0)
+    mean(R))) * rsqrt(C_j), the order of the PyTorch path. row_ptr: the matrix's R;
+    col_factor: rsqrt(C_j), (BLOCK_N,)."""
+    row = tl.load(row_ptr + row_index, mask=rows_ok, other=1.0)
     row_factor = tl.rsqrt(row / row_mean)
     return g * row_factor[:, None] * col_factor[None, :]
 
 
 @triton.jit
 def _adafactor_update_square_sum_kernel(
-    g_ptr,
-    row_ptr,
-    col_ptr,
+    table_ptr,
+    num_matrices,
+    g0_ptr,
+    stats0_ptr,
     row_sum_partials_ptr,
     update_partials_ptr,
     rows,
@@ -348,20 +364,21 @@ def _adafactor_update_square_sum_kernel(
     """Pass 3. update_partials (programs,): this program's sum of u**2 (see
     `_factored_scaled_gradient`); masked elements have g = 0, hence u = 0."""
     matrix, row_start, row_end, col_index = _strip(rows, rows_per_group, row_groups, cols, BLOCK_N)
+    g_ptr = _matrix_pointer(table_ptr, num_matrices, 1, matrix, g0_ptr)
+    row_ptr = _matrix_pointer(table_ptr, num_matrices, 3, matrix, stats0_ptr)
+    col_ptr = _matrix_pointer(table_ptr, num_matrices, 4, matrix, stats0_ptr)
     row_mean = (
         _sum_of(row_sum_partials_ptr + matrix * row_blocks, row_blocks, BLOCK_PARTIALS) / rows
     )
-    col = tl.load(col_ptr + matrix * cols + col_index, mask=col_index < cols, other=1.0)
+    col = tl.load(col_ptr + col_index, mask=col_index < cols, other=1.0)
     col_factor = tl.rsqrt(col)
     squares = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tiles_per_program):
         row_index, rows_ok, offsets, mask = _tile(
-            matrix, row_start + tile * BLOCK_M, row_end, rows, cols, col_index, BLOCK_M
+            0, row_start + tile * BLOCK_M, row_end, rows, cols, col_index, BLOCK_M
         )
         g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        update = _factored_scaled_gradient(
-            g, row_ptr, matrix, rows, row_index, rows_ok, row_mean, col_factor
-        )
+        update = _factored_scaled_gradient(g, row_ptr, row_index, rows_ok, row_mean, col_factor)
         squares += update * update
     program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(update_partials_ptr + program, tl.sum(tl.sum(squares, axis=1), axis=0))
@@ -398,11 +415,12 @@ def _adafactor_second_moment_kernel(
 
 @triton.jit
 def _adafactor_apply_kernel(
-    p_ptr,
-    g_ptr,
-    momentum_ptr,
-    row_ptr,
-    col_ptr,
+    table_ptr,
+    num_matrices,
+    p0_ptr,
+    g0_ptr,
+    momentum0_ptr,
+    stats0_ptr,
     second_moment_ptr,
     row_sum_partials_ptr,
     update_partials_ptr,
@@ -413,8 +431,7 @@ def _adafactor_apply_kernel(
     row_groups,
     tiles_per_program,
     row_blocks,
-    num_partials,
-    numel,
+    partials_per_matrix,
     relative_lr,
     eps2,
     clip_threshold,
@@ -432,30 +449,38 @@ def _adafactor_apply_kernel(
 ):
     """The last pass: u (factored: from R and C; else from v), u / max(1, RMS(u) / d), the
     momentum, and p <- p - lr * (u + wd * p) with lr = relative_lr * max(eps2, RMS(p)) when
-    SCALE_PARAMETER. RMS(u) and RMS(p) come from the num_partials partial sums of the earlier
-    passes, which every program adds up (a few KiB from L2)."""
+    SCALE_PARAMETER. RMS(u) and RMS(p) are over the matrix's whole tensor (its table entry
+    says which matrices that is): the sums of its partials_per_matrix partial sums a matrix
+    from the earlier passes, which every program adds up (a few KiB from L2)."""
     matrix, row_start, row_end, col_index = _strip(rows, rows_per_group, row_groups, cols, BLOCK_N)
+    p_ptr = _matrix_pointer(table_ptr, num_matrices, 0, matrix, p0_ptr)
+    g_ptr = _matrix_pointer(table_ptr, num_matrices, 1, matrix, g0_ptr)
+    momentum_ptr = _matrix_pointer(table_ptr, num_matrices, 2, matrix, momentum0_ptr)
+    first = tl.load(table_ptr + 5 * num_matrices + matrix)
+    count = tl.load(table_ptr + 6 * num_matrices + matrix)
+    numel = (count * rows * cols).to(tl.float32)
+    partials_start, num_partials = first * partials_per_matrix, count * partials_per_matrix
     lr = relative_lr
     if SCALE_PARAMETER:
-        param_rms = tl.sqrt(_sum_of(param_partials_ptr, num_partials, BLOCK_PARTIALS) / numel)
-        lr = relative_lr * tl.maximum(param_rms, eps2)
+        param_sum = _sum_of(param_partials_ptr + partials_start, num_partials, BLOCK_PARTIALS)
+        lr = relative_lr * tl.maximum(tl.sqrt(param_sum / numel), eps2)
     if CLIP:
-        update_rms = tl.sqrt(_sum_of(update_partials_ptr, num_partials, BLOCK_PARTIALS) / numel)
-        clip_divisor = tl.maximum(update_rms / clip_threshold, 1.0)
+        update_sum = _sum_of(update_partials_ptr + partials_start, num_partials, BLOCK_PARTIALS)
+        clip_divisor = tl.maximum(tl.sqrt(update_sum / numel) / clip_threshold, 1.0)
     if FACTORED:
+        row_ptr = _matrix_pointer(table_ptr, num_matrices, 3, matrix, stats0_ptr)
+        col_ptr = _matrix_pointer(table_ptr, num_matrices, 4, matrix, stats0_ptr)
         row_mean = _sum_of(row_sum_partials_ptr + matrix * row_blocks, row_blocks, BLOCK_PARTIALS)
         row_mean = row_mean / rows
-        col = tl.load(col_ptr + matrix * cols + col_index, mask=col_index < cols, other=1.0)
+        col = tl.load(col_ptr + col_index, mask=col_index < cols, other=1.0)
         col_factor = tl.rsqrt(col)
     for tile in range(0, tiles_per_program):
         row_index, rows_ok, offsets, mask = _tile(
-            matrix, row_start + tile * BLOCK_M, row_end, rows, cols, col_index, BLOCK_M
+            0, row_start + tile * BLOCK_M, row_end, rows, cols, col_index, BLOCK_M
         )
         g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if FACTORED:
-            update = _factored_scaled_gradient(
-                g, row_ptr, matrix, rows, row_index, rows_ok, row_mean, col_factor
-            )
+            update = _factored_scaled_gradient(g, row_ptr, row_index, rows_ok, row_mean, col_factor)
         else:
             second_moment = tl.load(second_moment_ptr + offsets, mask=mask, other=1.0)
             update = g * tl.rsqrt(second_moment)
@@ -624,12 +649,43 @@ def _round_by_hand(param: Tensor) -> bool:
     return param.device.type == "cpu" and param.dtype == torch.bfloat16
 
 
+def matrix_table(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor] | None,
+    rows: list[Tensor],
+    cols: list[Tensor],
+) -> tuple[Tensor, int]:
+    """The matrices of `params` (each (..., r, c), one (r, c) for all) for one launch: a (7, M)
+    int64 device table whose column m holds matrix m's addresses of parameter, gradient,
+    momentum (the parameter's when None), R and C (its fp32 statistics; a tensor's `row` is
+    (..., r) and `col` (..., c)), then the first matrix of its tensor and its tensor's number of
+    matrices (RMS(u) and RMS(p) are per tensor). Returns the table and M."""
+    columns: list[list[int]] = [[] for _ in range(7)]
+    for i, (param, grad, row, col) in enumerate(zip(params, grads, rows, cols, strict=True)):
+        r, c = param.shape[-2:]
+        count = param.numel() // (r * c)
+        momentum = momenta[i] if momenta is not None else param
+        first = len(columns[0])
+        for j in range(count):
+            element = j * r * c
+            columns[0].append(param.data_ptr() + element * param.element_size())
+            columns[1].append(grad.data_ptr() + element * grad.element_size())
+            columns[2].append(momentum.data_ptr() + element * momentum.element_size())
+            columns[3].append(row.data_ptr() + j * r * 4)
+            columns[4].append(col.data_ptr() + j * c * 4)
+            columns[5].append(first)
+            columns[6].append(count)
+    table = torch.tensor(columns, dtype=torch.int64).to(params[0].device, non_blocking=True)
+    return table, len(columns[0])
+
+
 def adafactor_factored_update(
-    param: Tensor,
-    grad: Tensor,
-    row: Tensor,
-    col: Tensor,
-    momentum: Tensor | None,
+    params: list[Tensor],
+    grads: list[Tensor],
+    rows: list[Tensor],
+    cols: list[Tensor],
+    momenta: list[Tensor] | None,
     *,
     relative_lr: float,
     beta2: float,
@@ -640,63 +696,76 @@ def adafactor_factored_update(
     weight_decay: float,
     scale_parameter: bool,
 ) -> None:
-    """One Adafactor step of a factored parameter, in place (see `memfit.optim.adafactor`).
+    """One Adafactor step of factored parameters, in place, in one launch a pass for all of
+    them (see `memfit.optim.adafactor`): their matrices share (rows, cols), dtype and options.
 
-    param, grad: (..., rows, cols); row: (..., rows) and col: (..., cols), fp32; momentum: like
-    param, or None. relative_lr: the step size before the parameter scaling (the paper's rho_t,
-    or the given lr); clip_threshold: d, math.inf for no clipping."""
-    _check(param, grad, momentum, row, col)
-    rows, cols = param.shape[-2:]
-    batch = param.numel() // (rows * cols)
-    if row.shape != (*param.shape[:-1],) or col.shape != (*param.shape[:-2], cols):
-        raise ValueError(
-            f"Adafactor statistics of shape {tuple(row.shape)} and {tuple(col.shape)} do not "
-            f"factor a parameter of shape {tuple(param.shape)}"
-        )
-    device = param.device
-    strips = strip_grid(batch, rows, cols, device)
+    params[i], grads[i]: (..., rows, cols); rows[i]: (..., rows) and cols[i]: (..., cols),
+    fp32; momenta[i]: like params[i], or momenta None. relative_lr: the step size before the
+    parameter scaling (the paper's rho_t, or the given lr); clip_threshold: d, math.inf for no
+    clipping."""
+    if not params:
+        return
+    r, c = params[0].shape[-2:]
+    for i, (param, grad, row, col) in enumerate(zip(params, grads, rows, cols, strict=True)):
+        momentum = momenta[i] if momenta is not None else None
+        _check(param, grad, momentum, row, col)
+        if param.dim() < 2 or param.shape[-2:] != (r, c) or param.dtype != params[0].dtype:
+            raise ValueError(
+                f"one launch takes matrices of one shape and dtype: {tuple(param.shape)} "
+                f"{param.dtype} beside (..., {r}, {c}) {params[0].dtype}"
+            )
+        if row.shape != (*param.shape[:-1],) or col.shape != (*param.shape[:-2], c):
+            raise ValueError(
+                f"Adafactor statistics of shape {tuple(row.shape)} and {tuple(col.shape)} do "
+                f"not factor a parameter of shape {tuple(param.shape)}"
+            )
+    table, matrices = matrix_table(params, grads, momenta, rows, cols)
+    device, param, grad = params[0].device, params[0], grads[0]
+    momentum = momenta[0] if momenta is not None else param
+    strips = strip_grid(matrices, r, c, device)
     block_1d = _block_1d(device)
-    col_blocks, row_blocks = triton.cdiv(cols, block_1d), triton.cdiv(rows, block_1d)
+    col_blocks, row_blocks = triton.cdiv(c, block_1d), triton.cdiv(r, block_1d)
     clip = math.isfinite(clip_threshold)
-    # fp32 workspace: row partials (col_tiles, batch * rows), column partials
-    # (batch * row_groups, cols), sums of the new R (batch, row_blocks), sums of u**2 and p**2
-    # (programs,) each
+    # fp32 workspace: row partials (col_tiles, matrices * rows), column partials
+    # (matrices * row_groups, cols), sums of the new R (matrices, row_blocks), sums of u**2
+    # and p**2 (programs,) each
     sizes = (
-        strips.col_tiles * batch * rows,
-        batch * strips.row_groups * cols,
-        batch * row_blocks,
+        strips.col_tiles * matrices * r,
+        matrices * strips.row_groups * c,
+        matrices * row_blocks,
         strips.programs,
         strips.programs,
     )
     workspace = torch.empty(sum(sizes), dtype=torch.float32, device=device)
     row_partials, col_partials, row_sums, update_partials, param_partials = workspace.split(sizes)
     meta = dict(BLOCK_M=strips.block_m, BLOCK_N=strips.block_n, num_warps=strips.num_warps)
+    stats = rows[0]
     launch(
         _adafactor_square_sums_kernel, strips.grid, device,
-        grad, param, row_partials, col_partials, param_partials, rows, cols,
+        table, matrices, grad, param, row_partials, col_partials, param_partials, r, c,
         strips.rows_per_group, strips.row_groups, strips.tiles_per_program,
         SCALE_PARAMETER=scale_parameter, **meta,
     )  # fmt: skip
     launch(
-        _adafactor_ema_kernel, (batch, col_blocks + row_blocks), device,
-        row, col, row_partials, col_partials, row_sums, rows, cols, strips.row_groups,
+        _adafactor_ema_kernel, (matrices, col_blocks + row_blocks), device,
+        table, matrices, stats, row_partials, col_partials, row_sums, r, c, strips.row_groups,
         strips.col_tiles, col_blocks, row_blocks, beta2, 1.0 - beta2, eps1, BLOCK=block_1d,
     )  # fmt: skip
     if clip:
         launch(
             _adafactor_update_square_sum_kernel, strips.grid, device,
-            grad, row, col, row_sums, update_partials, rows, cols, strips.rows_per_group,
-            strips.row_groups, strips.tiles_per_program, row_blocks, BLOCK_PARTIALS=block_1d,
-            **meta,
+            table, matrices, grad, stats, row_sums, update_partials, r, c,
+            strips.rows_per_group, strips.row_groups, strips.tiles_per_program, row_blocks,
+            BLOCK_PARTIALS=block_1d, **meta,
         )  # fmt: skip
     launch(
         _adafactor_apply_kernel, strips.grid, device,
-        param, grad, momentum if momentum is not None else param, row, col, row,
-        row_sums, update_partials, param_partials, rows, cols, strips.rows_per_group,
-        strips.row_groups, strips.tiles_per_program, row_blocks, strips.programs,
-        param.numel(), relative_lr, eps2, clip_threshold if clip else 1.0, beta1, 1.0 - beta1,
-        weight_decay, FACTORED=True, SCALE_PARAMETER=scale_parameter, CLIP=clip,
-        MOMENTUM=momentum is not None, BLOCK_PARTIALS=block_1d,
+        table, matrices, param, grad, momentum, stats, stats, row_sums, update_partials,
+        param_partials, r, c, strips.rows_per_group, strips.row_groups,
+        strips.tiles_per_program, row_blocks, strips.row_groups * strips.col_tiles,
+        relative_lr, eps2, clip_threshold if clip else 1.0, beta1, 1.0 - beta1, weight_decay,
+        FACTORED=True, SCALE_PARAMETER=scale_parameter, CLIP=clip,
+        MOMENTUM=momenta is not None, BLOCK_PARTIALS=block_1d,
         ROUND_BF16_BY_HAND=_round_by_hand(param), **meta,
     )  # fmt: skip
 
@@ -740,11 +809,16 @@ def adafactor_full_update(
     )  # fmt: skip
     clip = math.isfinite(clip_threshold)
     # the apply kernel on one (1, numel) matrix in strips of one row
+    flat = [t.view(1, numel) for t in (param, grad, second_moment)]
+    table, _ = matrix_table(
+        flat[:1], flat[1:2], [momentum.view(1, numel)] if momentum is not None else None,
+        [flat[2]], [flat[2]],
+    )  # fmt: skip
     launch(
         _adafactor_apply_kernel, (1, programs), device,
-        param, grad, momentum if momentum is not None else param, second_moment, second_moment,
+        table, 1, param, grad, momentum if momentum is not None else param, second_moment,
         second_moment, second_moment, update_partials, param_partials, 1, numel, 1, 1, 1, 1,
-        programs, numel, relative_lr, eps2, clip_threshold if clip else 1.0, beta1, 1.0 - beta1,
+        programs, relative_lr, eps2, clip_threshold if clip else 1.0, beta1, 1.0 - beta1,
         weight_decay, FACTORED=False, SCALE_PARAMETER=scale_parameter, CLIP=clip,
         MOMENTUM=momentum is not None, BLOCK_M=1, BLOCK_N=block, BLOCK_PARTIALS=block,
         ROUND_BF16_BY_HAND=_round_by_hand(param), num_warps=warps,

@@ -33,8 +33,9 @@ matrix: 16 KiB, 0.004 bytes per parameter; AdamW keeps 8), 4 bytes per element o
 plus the momentum in the parameter's dtype when beta1 is set. The step counter is a CPU tensor,
 so resume is exact and reading it never waits for the GPU.
 
-Paths: on CUDA the fused Triton kernels of `memfit.ops.optim_factored` (four launches per
-matrix, three passes over the gradient, no full-size temporary); elsewhere (CPU, and while
+Paths: on CUDA the fused Triton kernels of `memfit.ops.optim_factored` (four launches a step
+for all the matrices of one shape and dtype, three passes over the gradient, no full-size
+temporary; two launches per vector); elsewhere (CPU, and while
 torch.compile traces) plain, vectorized PyTorch with the same formulas in the same order, which
 is also the reference the kernels are tested against.
 
@@ -201,14 +202,36 @@ class Adafactor(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            # the matrices that the kernels update together: one launch a pass for each set of
+            # one (rows, cols), dtype, momentum and step, instead of a Python loop over them
+            together: dict[tuple, list[Tensor]] = {}
             for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group)
+                if param.grad is None:
+                    continue
+                step = self._count_step(param, group)
+                if step is None:
+                    continue
+                if use_triton(param) and param.dim() >= 2 and param.is_contiguous():
+                    key = (param.shape[-2:], param.dtype, step)
+                    together.setdefault(key, []).append(param)
+                else:
+                    self._update(param, group, step)
+            for (_, _, step), params in together.items():
+                states = [self.state[p] for p in params]
+                adafactor_factored_update(
+                    params,
+                    [p.grad.contiguous() for p in params],
+                    [s["row"] for s in states],
+                    [s["col"] for s in states],
+                    [s["momentum"] for s in states] if group["beta1"] is not None else None,
+                    **self._options(group, step),
+                )
         return loss
 
-    def _update(self, param: Tensor, group: dict[str, Any]) -> None:
-        grad = param.grad
-        if grad.is_sparse:
+    def _count_step(self, param: Tensor, group: dict[str, Any]) -> float | None:
+        """Check the parameter, create its states, count the step; the step (None: nothing to
+        update, an empty parameter)."""
+        if param.grad.is_sparse:
             raise RuntimeError(
                 f"Adafactor does not take sparse gradients (a parameter of shape "
                 f"{tuple(param.shape)}); use a dense embedding (sparse=False)"
@@ -228,15 +251,18 @@ class Adafactor(torch.optim.Optimizer):
                 )
             else:
                 state["sq"] = param.new_zeros(param.shape, dtype=torch.float32)
-        beta1 = group["beta1"]
-        if beta1 is not None and "momentum" not in state:
+        if group["beta1"] is not None and "momentum" not in state:
             state["momentum"] = param.new_zeros(param.shape)
         state["step"] += 1
         if param.numel() == 0:
-            return
-        step = state["step"].item()  # a CPU tensor: no wait for the GPU
+            return None
+        return state["step"].item()  # a CPU tensor: no wait for the GPU
+
+    @staticmethod
+    def _options(group: dict[str, Any], step: float) -> dict[str, Any]:
         eps1, eps2 = group["eps"]
-        options = dict(
+        beta1 = group["beta1"]
+        return dict(
             relative_lr=_relative_lr(group, step),
             beta2=1.0 - step ** group["decay_rate"],
             eps1=eps1,
@@ -246,14 +272,23 @@ class Adafactor(torch.optim.Optimizer):
             weight_decay=group["weight_decay"],
             scale_parameter=group["scale_parameter"],
         )
-        momentum = state["momentum"] if beta1 is not None else None
+
+    def _update(self, param: Tensor, group: dict[str, Any], step: float) -> None:
+        """One parameter's step on its own: the torch path, or the kernels for a vector or a
+        matrix that is not contiguous."""
+        state, grad = self.state[param], param.grad
+        options = self._options(group, step)
+        momentum = state["momentum"] if group["beta1"] is not None else None
         if not use_triton(param):
             _update_torch(param, grad, state, momentum, **options)
             return
         target = param if param.is_contiguous() else param.contiguous()
         grad = grad.contiguous()
         if "row" in state:
-            adafactor_factored_update(target, grad, state["row"], state["col"], momentum, **options)
+            moment = [momentum] if momentum is not None else None
+            adafactor_factored_update(
+                [target], [grad], [state["row"]], [state["col"]], moment, **options
+            )
         else:
             adafactor_full_update(target, grad, state["sq"], momentum, **options)
         if target is not param:
