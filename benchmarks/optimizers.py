@@ -91,12 +91,31 @@ def measure(name: str, build, count: int, warmup: int, repeat: int) -> dict:
     return row
 
 
+def sweep_adamw8bit(count: int, warmup: int, repeat: int) -> list[dict]:
+    """8-bit AdamW's fused step at other tiles (blocks of 256 per program, warps): the table
+    that chose memfit.ops.adamw8bit's CHUNK_BLOCKS and NUM_WARPS."""
+    import memfit.ops.adamw8bit as ops
+
+    chosen = ops.CHUNK_BLOCKS, ops.NUM_WARPS
+    rows = []
+    try:
+        for chunk, warps in [(2, 2), (4, 2), (4, 4), (8, 4), (8, 8), (16, 8)]:
+            ops.CHUNK_BLOCKS, ops.NUM_WARPS = chunk, warps
+            name = f"memfit AdamW8bit ({chunk} blocks, {warps} warps)"
+            row = measure(name, lambda ps: AdamW8bit(ps, lr=1e-4), count, warmup, repeat)
+            rows.append({**row, "chunk_blocks": chunk, "num_warps": warps})
+    finally:
+        ops.CHUNK_BLOCKS, ops.NUM_WARPS = chosen
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=953e6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--only", nargs="*", help="names (substrings) of the optimizers to run")
+    parser.add_argument("--sweep", action="store_true", help="8-bit AdamW's tiles too")
     parser.add_argument("--out", type=Path, default=None, help="directory of the results file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -107,6 +126,8 @@ def main() -> None:
         if args.only and not any(s.lower() in name.lower() for s in args.only):
             continue
         run["rows"].append(measure(name, build, count, args.warmup, args.repeat))
+    if args.sweep:
+        run["sweep"] = sweep_adamw8bit(count, args.warmup, args.repeat)
     if args.out is not None:
         harness.RESULTS = args.out
     print(f"results: {harness.append_results('optimizers', run)}")

@@ -27,7 +27,7 @@ The step, per element (torch.optim.AdamW's arithmetic in fp32, on the dequantize
     p = p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
 then each block's new absmax and codes. On CUDA one Triton kernel does all of it for every
-tensor of a group (a table of their addresses, programs over chunks of 2048 elements): it reads
+tensor of a group (a table of their addresses, programs over chunks of 1024 elements): it reads
 the parameter, gradient and 2 bytes of state per element and writes the parameter and the
 bytes, 2 x 4 + 2 + 4 + 2 = 16 bytes per fp32 parameter against fused AdamW's 28. On the CPU
 the same arithmetic runs as vectorized torch ops per tensor (the reference the kernel is
@@ -54,7 +54,8 @@ __all__ = [
 ]
 
 BLOCK = 256  # elements per quantization block (one fp32 absmax each)
-CHUNK_BLOCKS = 8  # blocks per program of the fused step
+CHUNK_BLOCKS = 4  # blocks per program of the fused step (`benchmarks/optimizers.py --sweep`)
+NUM_WARPS = 4  # of a program of the fused step
 SIGNED_BITS, UNSIGNED_BITS = 7, 8  # magnitude bits of the two codes
 
 
@@ -350,5 +351,5 @@ def fused_adamw_step(
         (1 - beta2**step) ** 0.5, stochastic_seed or 0,
         QUANT=quant, PARAM_BF16=bf16, STOCHASTIC=bf16 and stochastic_seed is not None, ROUND_BF16_BY_HAND=bf16 and device.type == "cpu",
         CHUNK=CHUNK_BLOCKS,
-        BLOCK=BLOCK, num_warps=8,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip
