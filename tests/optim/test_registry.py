@@ -1,7 +1,10 @@
 """The optimizer registry's rules across optimizers: which run under ZeRO and offload, and what
 the planner counts for each."""
 
+import math
+
 import pytest
+import torch
 
 from memfit.config import build_config, check_parallelism
 from memfit.optim import OPTIMIZERS, model_state_bytes
@@ -119,3 +122,30 @@ def test_recommend_prints_the_command_that_runs_its_first_strategy():
         best.micro_batch, best.grad_accum, best.checkpointing
     )  # fmt: skip
     assert config.data.seq_len == best.seq_len and config.model.name == "llama-3-8b"
+
+
+def test_adamw8bit_keeps_the_embedding_in_32_bit_states(tmp_path):
+    """The trainer's parameter groups mark the embedding table; 8-bit AdamW keeps its moments
+    in fp32 and quantizes the other matrices; the planner counts both kinds of state."""
+    from memfit.config import build_config
+    from memfit.models import PRESETS
+    from memfit.train.engine import Trainer
+
+    flags = {
+        "data": {"seq_len": 32},
+        "train": {"steps": 1, "micro_batch": 2, "device": "cpu", "precision": "fp32",
+                  "optimizer": "adamw8bit"},
+        "checkpoint": {"out": str(tmp_path)},
+    }  # fmt: skip
+    trainer = Trainer(build_config(flags=flags))
+    trainer.train_step()
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    embedding = trainer.model.embed.weight
+    assert optimizer.state[embedding]["exp_avg"].dtype == torch.float32
+    matrix = trainer.model.layers[0].mlp.down.weight
+    assert matrix.numel() >= 4096 and "exp_avg_codes" in optimizer.state[matrix]
+    config = PRESETS["tiny"]
+    E = config.vocab_size * config.hidden_size
+    P = sum(p.numel() for p in trainer.model.parameters())
+    planned = model_state_bytes(P, optimizer="adamw8bit", embedding_params=E)
+    assert planned["optimizer_states"] == math.ceil((2 + 8 / 256) * (P - E) + 8 * E)

@@ -46,6 +46,9 @@ class OptimizerSpec:
     update_bytes_per_param: float
     """HBM bytes one update reads and writes per parameter, for the time model (AdamW: parameter,
     gradient and two moments read, three written: 7 fp32 values, 28)."""
+    embedding_state_bytes_per_param: float | None = None
+    """Bytes of state per parameter of the embedding table where they differ (8-bit AdamW keeps
+    embeddings in 32 bits: 8); None: state_bytes_per_param."""
     step_temporary_bytes_per_param: float = 0
     """Bytes per parameter the step allocates while it runs (torch's foreach SGD applies weight
     decay out of place: one gradient-sized fp32 temporary)."""
@@ -96,6 +99,7 @@ def model_state_bytes(
     world_size: int = 1,
     offload: str = "none",
     param_bytes: int = 4,
+    embedding_params: int = 0,
 ) -> dict[str, int]:
     """Bytes per rank of the model states of data-parallel training with ZeRO `zero` over
     `world_size` ranks (Rajbhandari et al. 2020, "ZeRO", section 5), memfit's layout: the fp32
@@ -112,23 +116,27 @@ def model_state_bytes(
     `offload="params"` (stage 3) the parameter shards too. A shard is ceil(P/N) elements; real
     buckets each pad to a multiple of N (fewer than N elements more per bucket). param_bytes: 2
     for bf16 parameters without fp32 masters (`--master-weights none`, one process): their
-    gradients are bf16 too."""
+    gradients are bf16 too. embedding_params: how many of the P are the embedding table's,
+    whose states may take other bytes (`OptimizerSpec.embedding_state_bytes_per_param`)."""
     spec = get_optimizer(optimizer)
     P = num_params
     shard = math.ceil(P / world_size)
+    s = spec.state_bytes_per_param
+    if spec.embedding_state_bytes_per_param is not None and P:
+        s += (spec.embedding_state_bytes_per_param - s) * embedding_params / P
     if param_bytes != 4:
         return {
             "params": param_bytes * P,
             "grads": param_bytes * P,
-            "optimizer_states": math.ceil(spec.state_bytes_per_param * P),
+            "optimizer_states": math.ceil(s * P),
             "host": 0,
         }
     params = 4 * (shard if zero == 3 else P)
     grads = {0: 4 * P, 1: 4 * P + 4 * shard, 2: 4 * shard, 3: 4 * shard}[zero]
-    states = math.ceil(spec.state_bytes_per_param * (P if zero == 0 else shard))
+    states = math.ceil(s * (P if zero == 0 else shard))
     host = 0
     if offload != "none":
-        host = (8 + math.ceil(spec.state_bytes_per_param)) * (P if zero == 0 else shard)
+        host = (8 + math.ceil(s)) * (P if zero == 0 else shard)
         states = 0
     if offload == "params":
         params = 0
@@ -154,6 +162,9 @@ def _adamw8bit(groups, *, lr, betas, momentum, device) -> torch.optim.Optimizer:
         )
     # bf16 parameters (no fp32 masters) take their updates with stochastic rounding
     bf16 = any(p.dtype == torch.bfloat16 for group in groups for p in group["params"])
+    # embeddings keep 32-bit states (bitsandbytes' advice: a row's moments stay stale between
+    # the steps where its token occurs, and share a block's scale with rows that move)
+    groups = [{**g, "states_32bit": True} if g.get("embedding") else g for g in groups]
     return AdamW8bit(groups, lr=lr, betas=betas, eps=1e-8, stochastic_rounding=bf16)
 
 
@@ -189,6 +200,7 @@ register_optimizer(
         # a byte per element for each moment and an fp32 absmax per block of 256 (tensors under
         # 4096 elements keep fp32 moments: norms and biases, a negligible share)
         state_bytes_per_param=2 + 2 * 4 / 256,
+        embedding_state_bytes_per_param=8,
         # parameter and gradient read and written (fp32), a byte of each moment read and written
         update_bytes_per_param=16 + 4 * 4 / 256,
         options=("beta1", "beta2"),

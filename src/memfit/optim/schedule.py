@@ -17,15 +17,27 @@ if TYPE_CHECKING:
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    """Matrices (decayed), vectors (not), and, where the model has any, the embedding tables
+    in a group of their own marked "embedding" (decayed; 8-bit AdamW keeps their states in
+    32 bits: a row sees a gradient only when its token occurs)."""
+    embeddings = {
+        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
+    }  # fmt: skip
+    decay, no_decay, embedding = [], [], []
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        (decay if param.ndim >= 2 else no_decay).append(param)
-    return [
+        if id(param) in embeddings:
+            embedding.append(param)
+        else:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if embedding:
+        groups.append({"params": embedding, "weight_decay": weight_decay, "embedding": True})
+    return groups
 
 
 def make_optimizer(

@@ -239,6 +239,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         world_size=N,
         offload=strategy.offload,
         param_bytes=2 if strategy.master_weights == "none" else 4,
+        embedding_params=model.vocab_size * model.hidden_size,
     )
     params, grads, optimizer = states["params"], states["grads"], states["optimizer_states"]
     # bytes of a gradient element: bf16 parameters (no masters) have bf16 gradients
