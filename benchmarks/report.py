@@ -173,23 +173,33 @@ def attention_train_table(run: dict) -> str:
 
 
 def planner_accuracy_table(run: dict) -> str:
+    """The latest measurement of every configuration (a run of some of them, `--match`,
+    replaces only theirs), each with its commit and date."""
+    def strategy(text: str) -> str:  # (older runs named the optimizer twice)
+        parts = text.split(", ")
+        return ", ".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
+
+    records = [
+        {**record, "strategy": strategy(record["strategy"]), "commit": r["env"]["commit"],
+         "date": r["env"]["date"][:10]}
+        for r in run.get("all_runs", [run])
+        for record in r["records"]
+    ]  # fmt: skip
+    records = _latest(records, key=lambda r: (r["model"], r["strategy"]))
     lines = [
-        _env_line(run, f"peak = max_memory_allocated over steps 2..{run['steps']}."),
+        _env_line(run, f"peak = max_memory_allocated over steps 2..{run['steps']}.")
+        + " Each row is the latest run of its configuration: its commit and date in the last column.",
         "",
-        "| model | strategy | predicted peak (GiB) | measured peak (GiB) | error | predicted fits / ran out of memory |",
-        "|---|---|---|---|---|---|",
+        "| model | strategy | predicted peak (GiB) | measured peak (GiB) | error | predicted fits / ran out of memory | run |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in run["records"]:
-        parts = r["strategy"].split(", ")
-        r = {
-            **r,
-            "strategy": ", ".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]),
-        }
+    for r in records:
         measured = "OOM" if r["measured_oom"] else f"{r['measured_peak_bytes'] / 2**30:.2f}"
         error = "-" if r["error"] is None else f"{r['error']:+.1%}"
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['predicted_peak_bytes'] / 2**30:.2f} | {measured} | {error} | "
-            f"{'yes' if r['predicted_fits'] else 'no'} / {'yes' if r['measured_oom'] else 'no'} |"
+            f"{'yes' if r['predicted_fits'] else 'no'} / {'yes' if r['measured_oom'] else 'no'} | "
+            f"{r['commit']}, {r['date']} |"
         )
     return "\n".join(lines)
 
