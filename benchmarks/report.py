@@ -175,6 +175,7 @@ def attention_train_table(run: dict) -> str:
 def planner_accuracy_table(run: dict) -> str:
     """The latest measurement of every configuration (a run of some of them, `--match`,
     replaces only theirs), each with its commit and date."""
+
     def strategy(text: str) -> str:  # (older runs named the optimizer twice)
         parts = text.split(", ")
         return ", ".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
