@@ -149,3 +149,21 @@ def test_adamw8bit_keeps_the_embedding_in_32_bit_states(tmp_path):
     P = sum(p.numel() for p in trainer.model.parameters())
     planned = model_state_bytes(P, optimizer="adamw8bit", embedding_params=E)
     assert planned["optimizer_states"] == math.ceil((2 + 8 / 256) * (P - E) + 8 * E)
+
+
+def test_a_checkpoint_of_bf16_weights_is_counted_at_two_bytes_a_weight(tmp_path):
+    """The free-space check before a save: bf16 weights (no masters) take 2 bytes each."""
+    from memfit.config import build_config
+    from memfit.train.engine import Trainer
+
+    sizes = {}
+    for master_weights in ("fp32", "none"):
+        flags = {
+            "train": {"device": "cpu", "precision": "bf16", "optimizer": "adamw8bit",
+                      "master_weights": master_weights},
+            "checkpoint": {"out": str(tmp_path / master_weights)},
+        }  # fmt: skip
+        sizes[master_weights] = Trainer(build_config(flags=flags)).checkpoint_bytes()
+    from memfit.models import PRESETS
+
+    assert sizes["fp32"] - sizes["none"] == 2 * PRESETS["tiny"].num_params

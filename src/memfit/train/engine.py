@@ -384,14 +384,16 @@ class Trainer:
         return checkpoint, meta
 
     def checkpoint_bytes(self) -> int:
-        """About how many bytes one checkpoint of this run takes: the fp32 weights, the
-        optimizer state, and (ZeRO) the parameters again in the sharded state."""
+        """About how many bytes one checkpoint of this run takes: the weights (fp32, or bf16
+        with --master-weights none), the optimizer state, and (ZeRO) the parameters again in
+        the sharded state."""
         from memfit.optim.registry import get_optimizer
 
         params = self.model_config.num_params
         state = get_optimizer(self.config.train.optimizer).state_bytes_per_param
+        weights = 2 if self.config.train.master_weights == "none" else 4
         sharded = self.world.distributed or self.config.distributed.offload != "none"
-        return int(params * (4 + state + (4 if sharded else 0))) + (1 << 20)
+        return int(params * (weights + state + (4 if sharded else 0))) + (1 << 20)
 
     def _check_free_space(self) -> None:
         need, keep = self.checkpoint_bytes(), self.config.checkpoint.keep
