@@ -139,7 +139,7 @@ def test_adamw8bit_keeps_the_embedding_in_32_bit_states(tmp_path):
     }  # fmt: skip
     trainer = Trainer(build_config(flags=flags))
     trainer.train_step()
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    optimizer = trainer.optimizer
     embedding = trainer.model.embed.weight
     assert optimizer.state[embedding]["exp_avg"].dtype == torch.float32
     matrix = trainer.model.layers[0].mlp.down.weight

@@ -52,6 +52,7 @@ from memfit.ops._triton import launch, round_to_bf16, tl, triton
 
 __all__ = [
     "KERNEL_DTYPES",
+    "AdafactorStep",
     "StripGrid",
     "adafactor_factored_update",
     "adafactor_full_update",
@@ -649,6 +650,24 @@ def _round_by_hand(param: Tensor) -> bool:
     return param.device.type == "cpu" and param.dtype == torch.bfloat16
 
 
+@dataclass(frozen=True)
+class AdafactorStep:
+    """The scalars of one Adafactor step (see `memfit.optim.adafactor`): relative_lr, the step
+    size before the parameter scaling (the paper's rho_t, or the given lr); beta2 (beta2_t);
+    eps1 added to g**2; eps2 the least parameter scale; clip_threshold d (math.inf: no
+    clipping); beta1 the momentum's decay (0 without momentum); weight_decay, decoupled;
+    scale_parameter: the step relative to the parameter's RMS."""
+
+    relative_lr: float
+    beta2: float
+    eps1: float
+    eps2: float
+    clip_threshold: float
+    beta1: float
+    weight_decay: float
+    scale_parameter: bool
+
+
 def matrix_table(
     params: list[Tensor],
     grads: list[Tensor],
@@ -686,23 +705,13 @@ def adafactor_factored_update(
     rows: list[Tensor],
     cols: list[Tensor],
     momenta: list[Tensor] | None,
-    *,
-    relative_lr: float,
-    beta2: float,
-    eps1: float,
-    eps2: float,
-    clip_threshold: float,
-    beta1: float,
-    weight_decay: float,
-    scale_parameter: bool,
+    options: AdafactorStep,
 ) -> None:
     """One Adafactor step of factored parameters, in place, in one launch a pass for all of
     them (see `memfit.optim.adafactor`): their matrices share (rows, cols), dtype and options.
 
     params[i], grads[i]: (..., rows, cols); rows[i]: (..., rows) and cols[i]: (..., cols),
-    fp32; momenta[i]: like params[i], or momenta None. relative_lr: the step size before the
-    parameter scaling (the paper's rho_t, or the given lr); clip_threshold: d, math.inf for no
-    clipping."""
+    fp32; momenta[i]: like params[i], or momenta None."""
     if not params:
         return
     r, c = params[0].shape[-2:]
@@ -725,7 +734,7 @@ def adafactor_factored_update(
     strips = strip_grid(matrices, r, c, device)
     block_1d = _block_1d(device)
     col_blocks, row_blocks = triton.cdiv(c, block_1d), triton.cdiv(r, block_1d)
-    clip = math.isfinite(clip_threshold)
+    clip = math.isfinite(options.clip_threshold)
     # fp32 workspace: row partials (col_tiles, matrices * rows), column partials
     # (matrices * row_groups, cols), sums of the new R (matrices, row_blocks), sums of u**2
     # and p**2 (programs,) each
@@ -744,12 +753,13 @@ def adafactor_factored_update(
         _adafactor_square_sums_kernel, strips.grid, device,
         table, matrices, grad, param, row_partials, col_partials, param_partials, r, c,
         strips.rows_per_group, strips.row_groups, strips.tiles_per_program,
-        SCALE_PARAMETER=scale_parameter, **meta,
+        SCALE_PARAMETER=options.scale_parameter, **meta,
     )  # fmt: skip
     launch(
         _adafactor_ema_kernel, (matrices, col_blocks + row_blocks), device,
         table, matrices, stats, row_partials, col_partials, row_sums, r, c, strips.row_groups,
-        strips.col_tiles, col_blocks, row_blocks, beta2, 1.0 - beta2, eps1, BLOCK=block_1d,
+        strips.col_tiles, col_blocks, row_blocks, options.beta2, 1.0 - options.beta2,
+        options.eps1, BLOCK=block_1d,
     )  # fmt: skip
     if clip:
         launch(
@@ -763,8 +773,9 @@ def adafactor_factored_update(
         table, matrices, param, grad, momentum, stats, stats, row_sums, update_partials,
         param_partials, r, c, strips.rows_per_group, strips.row_groups,
         strips.tiles_per_program, row_blocks, strips.row_groups * strips.col_tiles,
-        relative_lr, eps2, clip_threshold if clip else 1.0, beta1, 1.0 - beta1, weight_decay,
-        FACTORED=True, SCALE_PARAMETER=scale_parameter, CLIP=clip,
+        options.relative_lr, options.eps2, options.clip_threshold if clip else 1.0,
+        options.beta1, 1.0 - options.beta1, options.weight_decay,
+        FACTORED=True, SCALE_PARAMETER=options.scale_parameter, CLIP=clip,
         MOMENTUM=momenta is not None, BLOCK_PARTIALS=block_1d,
         ROUND_BF16_BY_HAND=_round_by_hand(param), **meta,
     )  # fmt: skip
@@ -775,15 +786,7 @@ def adafactor_full_update(
     grad: Tensor,
     second_moment: Tensor,
     momentum: Tensor | None,
-    *,
-    relative_lr: float,
-    beta2: float,
-    eps1: float,
-    eps2: float,
-    clip_threshold: float,
-    beta1: float,
-    weight_decay: float,
-    scale_parameter: bool,
+    options: AdafactorStep,
 ) -> None:
     """One Adafactor step of a parameter with a full second moment (any shape, in practice a
     vector), in place. param, grad, second_moment (fp32), momentum (or None): one shape."""
@@ -804,10 +807,10 @@ def adafactor_full_update(
     warps = 1 if device.type == "cpu" else NUM_WARPS
     launch(
         _adafactor_second_moment_kernel, (programs,), device,
-        grad, param, second_moment, update_partials, param_partials, numel, beta2, 1.0 - beta2,
-        eps1, SCALE_PARAMETER=scale_parameter, BLOCK=block, num_warps=warps,
+        grad, param, second_moment, update_partials, param_partials, numel, options.beta2,
+        1.0 - options.beta2, options.eps1, SCALE_PARAMETER=options.scale_parameter, BLOCK=block, num_warps=warps,
     )  # fmt: skip
-    clip = math.isfinite(clip_threshold)
+    clip = math.isfinite(options.clip_threshold)
     # the apply kernel on one (1, numel) matrix in strips of one row
     flat = [t.view(1, numel) for t in (param, grad, second_moment)]
     table, _ = matrix_table(
@@ -818,8 +821,8 @@ def adafactor_full_update(
         _adafactor_apply_kernel, (1, programs), device,
         table, 1, param, grad, momentum if momentum is not None else param, second_moment,
         second_moment, second_moment, update_partials, param_partials, 1, numel, 1, 1, 1, 1,
-        programs, relative_lr, eps2, clip_threshold if clip else 1.0, beta1, 1.0 - beta1,
-        weight_decay, FACTORED=False, SCALE_PARAMETER=scale_parameter, CLIP=clip,
+        programs, options.relative_lr, options.eps2, options.clip_threshold if clip else 1.0,
+        options.beta1, 1.0 - options.beta1, options.weight_decay, FACTORED=False, SCALE_PARAMETER=options.scale_parameter, CLIP=clip,
         MOMENTUM=momentum is not None, BLOCK_M=1, BLOCK_N=block, BLOCK_PARTIALS=block,
         ROUND_BF16_BY_HAND=_round_by_hand(param), num_warps=warps,
     )  # fmt: skip

@@ -66,6 +66,7 @@ from torch import Tensor
 from memfit.ops._triton import use_triton
 from memfit.ops.optim_factored import (
     KERNEL_DTYPES,
+    AdafactorStep,
     adafactor_factored_update,
     adafactor_full_update,
 )
@@ -224,7 +225,7 @@ class Adafactor(torch.optim.Optimizer):
                     [s["row"] for s in states],
                     [s["col"] for s in states],
                     [s["momentum"] for s in states] if group["beta1"] is not None else None,
-                    **self._options(group, step),
+                    self._options(group, step),
                 )
         return loss
 
@@ -259,10 +260,10 @@ class Adafactor(torch.optim.Optimizer):
         return state["step"].item()  # a CPU tensor: no wait for the GPU
 
     @staticmethod
-    def _options(group: dict[str, Any], step: float) -> dict[str, Any]:
+    def _options(group: dict[str, Any], step: float) -> AdafactorStep:
         eps1, eps2 = group["eps"]
         beta1 = group["beta1"]
-        return dict(
+        return AdafactorStep(
             relative_lr=_relative_lr(group, step),
             beta2=1.0 - step ** group["decay_rate"],
             eps1=eps1,
@@ -280,17 +281,17 @@ class Adafactor(torch.optim.Optimizer):
         options = self._options(group, step)
         momentum = state["momentum"] if group["beta1"] is not None else None
         if not use_triton(param):
-            _update_torch(param, grad, state, momentum, **options)
+            _update_torch(param, grad, state, momentum, options)
             return
         target = param if param.is_contiguous() else param.contiguous()
         grad = grad.contiguous()
         if "row" in state:
             moment = [momentum] if momentum is not None else None
             adafactor_factored_update(
-                [target], [grad], [state["row"]], [state["col"]], moment, **options
+                [target], [grad], [state["row"]], [state["col"]], moment, options
             )
         else:
-            adafactor_full_update(target, grad, state["sq"], momentum, **options)
+            adafactor_full_update(target, grad, state["sq"], momentum, options)
         if target is not param:
             param.copy_(target)
 
@@ -300,17 +301,11 @@ def _update_torch(
     grad: Tensor,
     state: dict[str, Tensor],
     momentum: Tensor | None,
-    *,
-    relative_lr: float,
-    beta2: float,
-    eps1: float,
-    eps2: float,
-    clip_threshold: float,
-    beta1: float,
-    weight_decay: float,
-    scale_parameter: bool,
+    options: AdafactorStep,
 ) -> None:
     """One step in plain PyTorch: the formulas of the kernels, in their order."""
+    beta2, eps1, beta1 = options.beta2, options.eps1, options.beta1
+    clip_threshold, relative_lr = options.clip_threshold, options.relative_lr
     grad32 = grad.float()
     if "row" in state:
         row, col = state["row"], state["col"]
@@ -331,6 +326,6 @@ def _update_torch(
         update = momentum.float()
     param32 = param.float()
     lr = relative_lr
-    if scale_parameter:  # a 0-dim tensor: no wait for the GPU
-        lr = param32.square().mean().sqrt().clamp_min(eps2) * relative_lr
-    param.copy_(param32 - lr * (update + weight_decay * param32))
+    if options.scale_parameter:  # a 0-dim tensor: no wait for the GPU
+        lr = param32.square().mean().sqrt().clamp_min(options.eps2) * relative_lr
+    param.copy_(param32 - lr * (update + options.weight_decay * param32))

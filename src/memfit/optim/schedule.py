@@ -20,9 +20,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (decayed), vectors (not), and, where the model has any, the embedding tables
     in a group of their own marked "embedding" (decayed; 8-bit AdamW keeps their states in
     32 bits: a row sees a gradient only when its token occurs)."""
-    embeddings = {
-        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
-    }  # fmt: skip
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay, embedding = [], [], []
     for param in model.parameters():
         if not param.requires_grad:
