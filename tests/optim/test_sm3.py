@@ -90,6 +90,36 @@ def test_a_matrix_step_is_two_launches_and_a_vector_one(monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_matrices_of_one_shape_step_together_as_each_alone(monkeypatch, options):
+    """Matrices whose (rows, cols) views agree (a (3, 7, 20) tensor is a (21, 20) matrix)
+    share the two launches, beside one per vector, and each gets the step it gets alone in
+    the torch path: its own accumulators."""
+    shapes = [(21, 20), (3, 7, 20), (21, 20), (33,), (5, 20)]
+    inputs = [fresh_inputs(shape, 3, seed=i) for i, shape in enumerate(shapes)]
+    kernels = []
+    real_launch = ops.launch
+    monkeypatch.setattr(
+        ops, "launch", lambda k, *a, **kw: kernels.append(k) or real_launch(k, *a, **kw)
+    )
+    params = [torch.nn.Parameter(p.clone()) for p, _ in inputs]
+    optimizer = SM3(params, **options)
+    with triton_on_cpu():
+        for step in range(3):
+            kernels.clear()
+            for param, (_, grads) in zip(params, inputs, strict=True):
+                param.grad = grads[step].clone()
+            optimizer.step()
+    assert len(kernels) == 2 * 2 + 1  # two sets of matrices, one vector
+    for param, (start, grads) in zip(params, inputs, strict=True):
+        want, want_optimizer = run(start, grads, options)
+        assert_same(param.detach(), want, torch.float32, "parameter")
+        got_state, (want_state,) = optimizer.state[param], want_optimizer.state.values()
+        for key, value in want_state.items():
+            assert_same(got_state[key], value, torch.float32, key)
+
+
+@needs_interpreter
 def test_zero_gradients_give_a_zero_update_not_nan():
     """eps = 0: nu is 0 where a row and a column have seen only zeros; the safe divide makes
     the update 0 there."""

@@ -10,9 +10,11 @@ matrix and BLOCK_N columns, and walks its rows in (BLOCK_M, BLOCK_N) tiles, so t
 reads a few tens of KiB and the grid has a few programs per SM (`strip_grid`). A row statistic
 is then made of col_tiles partial values and a column statistic of row_groups partial values;
 both are written to an fp32 workspace and reduced by a tiny kernel, without atomics, so every
-result is deterministic (a rerun is bitwise equal).
+result is deterministic (a rerun is bitwise equal). One launch serves every matrix of one
+(rows, cols) and dtype: the kernels read each matrix's addresses from a table (`matrix_table`),
+so a step of a model is a few launches per pass, not a Python loop of launches per matrix.
 
-Adafactor, matrix (4 launches, 3 passes over the gradient, 1 over the parameter and 1 more for
+Adafactor, matrices (4 launches, 3 passes over the gradient, 1 over the parameter and 1 more for
 `scale_parameter`):
   1. `_adafactor_square_sums_kernel`: row and column partial sums of g**2 (and the partial sums
      of p**2 for the parameter's RMS);
@@ -23,7 +25,7 @@ Adafactor, matrix (4 launches, 3 passes over the gradient, 1 over the parameter 
   4. `_adafactor_apply_kernel`: recomputes u, clips it, momentum, p -= lr * (u + wd * p).
 Adafactor, full second moment (vectors; 2 launches): `_adafactor_second_moment_kernel` updates v
 and sums u**2 and p**2, then the same apply kernel.
-SM3, matrix (2 launches, 1 pass): `_sm3_matrix_kernel` computes nu = min(row_i, col_j) + g**2,
+SM3, matrices (2 launches, 1 pass): `_sm3_matrix_kernel` computes nu = min(row_i, col_j) + g**2,
 the update and p, and the partial maxima of nu per row and per column;
 `_sm3_accumulators_kernel` (tiny) reduces them into the row and column accumulators.
 SM3, vector (1 launch): `_sm3_vector_kernel`.
@@ -507,11 +509,12 @@ def _sm3_scaled_gradient(g, nu, eps):
 
 @triton.jit
 def _sm3_matrix_kernel(
-    p_ptr,
-    g_ptr,
-    momentum_ptr,
-    row_acc_ptr,
-    col_acc_ptr,
+    table_ptr,
+    num_matrices,
+    p0_ptr,
+    g0_ptr,
+    momentum0_ptr,
+    stats0_ptr,
     row_partials_ptr,
     col_partials_ptr,
     rows,
@@ -529,10 +532,17 @@ def _sm3_matrix_kernel(
     BLOCK_N: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr,
 ):
-    """The one pass of SM3 over a (rows, cols) matrix: nu = min(row_acc_i, col_acc_j) + g**2,
-    the update and p; row_partials (col_tiles, rows) and col_partials (row_groups, cols): this
-    program's maxima of nu per row and per column (nu >= 0, so 0 is neutral for masked ones)."""
-    _, row_start, row_end, col_index = _strip(rows, rows_per_group, row_groups, cols, BLOCK_N)
+    """The one pass of SM3 over each (rows, cols) matrix of the table (see `matrix_table`; R
+    and C are its row and column accumulators): nu = min(row_acc_i, col_acc_j) + g**2, the
+    update and p; row_partials (col_tiles, matrices * rows) and col_partials
+    (matrices * row_groups, cols): this program's maxima of nu per row and per column (nu >= 0,
+    so 0 is neutral for masked ones)."""
+    matrix, row_start, row_end, col_index = _strip(rows, rows_per_group, row_groups, cols, BLOCK_N)
+    p_ptr = _matrix_pointer(table_ptr, num_matrices, 0, matrix, p0_ptr)
+    g_ptr = _matrix_pointer(table_ptr, num_matrices, 1, matrix, g0_ptr)
+    momentum_ptr = _matrix_pointer(table_ptr, num_matrices, 2, matrix, momentum0_ptr)
+    row_acc_ptr = _matrix_pointer(table_ptr, num_matrices, 3, matrix, stats0_ptr)
+    col_acc_ptr = _matrix_pointer(table_ptr, num_matrices, 4, matrix, stats0_ptr)
     cols_ok = col_index < cols
     col_acc = tl.load(col_acc_ptr + col_index, mask=cols_ok, other=0.0)
     col_max = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -549,8 +559,8 @@ def _sm3_matrix_kernel(
             p_ptr, momentum_ptr, offsets, mask, update, lr, beta1, one_minus_beta1,
             weight_decay, MOMENTUM, ROUND_BF16_BY_HAND,
         )  # fmt: skip
-        row_partials = row_partials_ptr + tl.program_id(1).to(tl.int64) * rows
-        tl.store(row_partials + row_index, tl.max(nu, axis=1), mask=rows_ok)
+        row_partials = row_partials_ptr + tl.program_id(1).to(tl.int64) * num_matrices * rows
+        tl.store(row_partials + matrix * rows + row_index, tl.max(nu, axis=1), mask=rows_ok)
         col_max = tl.maximum(col_max, tl.max(nu, axis=0))
     col_partials = col_partials_ptr + tl.program_id(0).to(tl.int64) * cols
     tl.store(col_partials + col_index, col_max, mask=cols_ok)
@@ -558,8 +568,9 @@ def _sm3_matrix_kernel(
 
 @triton.jit
 def _sm3_accumulators_kernel(
-    row_acc_ptr,
-    col_acc_ptr,
+    table_ptr,
+    num_matrices,
+    stats0_ptr,
     row_partials_ptr,
     col_partials_ptr,
     rows,
@@ -569,24 +580,27 @@ def _sm3_accumulators_kernel(
     col_blocks,
     BLOCK: tl.constexpr,
 ):
-    """Tiny, grid (col_blocks + row_blocks,): the first col_blocks programs set BLOCK column
-    accumulators to the max of their row_groups partial maxima, the others BLOCK row
-    accumulators to the max of their col_tiles partial maxima."""
-    block = tl.program_id(0)
+    """Tiny, grid (matrices, col_blocks + row_blocks): the first col_blocks programs of a
+    matrix set BLOCK of its column accumulators to the max of their row_groups partial maxima,
+    the others BLOCK of its row accumulators to the max of their col_tiles partial maxima."""
+    matrix = tl.program_id(0)
+    block = tl.program_id(1)
     if block < col_blocks:
+        col_acc_ptr = _matrix_pointer(table_ptr, num_matrices, 4, matrix, stats0_ptr)
         col_index = block * BLOCK + tl.arange(0, BLOCK)
         ok = col_index < cols
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for group in range(0, row_groups):
-            partials = col_partials_ptr + group * cols
+            partials = col_partials_ptr + (matrix * row_groups + group).to(tl.int64) * cols
             acc = tl.maximum(acc, tl.load(partials + col_index, mask=ok, other=0.0))
         tl.store(col_acc_ptr + col_index, acc, mask=ok)
     else:
+        row_acc_ptr = _matrix_pointer(table_ptr, num_matrices, 3, matrix, stats0_ptr)
         row_index = (block - col_blocks) * BLOCK + tl.arange(0, BLOCK)
         ok = row_index < rows
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for tile in range(0, col_tiles):
-            partials = row_partials_ptr + tile * rows
+            partials = row_partials_ptr + (tile * num_matrices + matrix).to(tl.int64) * rows
             acc = tl.maximum(acc, tl.load(partials + row_index, mask=ok, other=0.0))
         tl.store(row_acc_ptr + row_index, acc, mask=ok)
 
@@ -829,46 +843,62 @@ def adafactor_full_update(
 
 
 def sm3_matrix_update(
-    param: Tensor,
-    grad: Tensor,
-    row_acc: Tensor,
-    col_acc: Tensor,
-    momentum: Tensor | None,
+    params: list[Tensor],
+    grads: list[Tensor],
+    row_accs: list[Tensor],
+    col_accs: list[Tensor],
+    momenta: list[Tensor] | None,
     *,
     lr: float,
     eps: float,
     beta1: float,
     weight_decay: float,
 ) -> None:
-    """One SM3-II step of a parameter covered by the rows and columns of its (rows, cols) view
-    (rows = all leading dims), in place (see `memfit.optim.sm3`). param, grad: (..., cols);
-    row_acc (rows,), col_acc (cols,): fp32; momentum: like param, or None (no momentum)."""
-    _check(param, grad, momentum, row_acc, col_acc)
-    cols = param.shape[-1]
-    rows = param.numel() // cols
-    if row_acc.shape != (rows,) or col_acc.shape != (cols,):
-        raise ValueError(
-            f"SM3 accumulators of shape {tuple(row_acc.shape)} and {tuple(col_acc.shape)} do not "
-            f"cover a ({rows}, {cols}) matrix"
-        )
-    device = param.device
-    strips = strip_grid(1, rows, cols, device)
-    sizes = (strips.col_tiles * rows, strips.row_groups * cols)
+    """One SM3-II step of parameters covered by the rows and columns of their (rows, cols)
+    views (rows = all leading dims), in place, one launch a pass for all of them (see
+    `memfit.optim.sm3`): their views share (rows, cols), and their dtype. params[i], grads[i]:
+    (..., cols); row_accs[i] (rows,), col_accs[i] (cols,): fp32; momenta[i]: like params[i],
+    or momenta None (no momentum)."""
+    if not params:
+        return
+    cols = params[0].shape[-1]
+    rows = params[0].numel() // cols
+    for i, (param, grad, row_acc, col_acc) in enumerate(
+        zip(params, grads, row_accs, col_accs, strict=True)
+    ):
+        _check(param, grad, momenta[i] if momenta is not None else None, row_acc, col_acc)
+        if param.shape[-1] != cols or param.numel() != rows * cols:
+            raise ValueError(
+                f"one launch takes matrices of one shape: {tuple(param.shape)} beside "
+                f"({rows}, {cols})"
+            )
+        if param.dtype != params[0].dtype:
+            raise ValueError(f"one launch takes one dtype: {param.dtype}, {params[0].dtype}")
+        if row_acc.shape != (rows,) or col_acc.shape != (cols,):
+            raise ValueError(
+                f"SM3 accumulators of shape {tuple(row_acc.shape)} and {tuple(col_acc.shape)} "
+                f"do not cover a ({rows}, {cols}) matrix"
+            )
+    views = [[t.view(rows, cols) for t in ts] for ts in (params, grads, momenta or [])]
+    table, matrices = matrix_table(views[0], views[1], views[2] or None, row_accs, col_accs)
+    device, param = params[0].device, params[0]
+    strips = strip_grid(matrices, rows, cols, device)
+    sizes = (strips.col_tiles * matrices * rows, matrices * strips.row_groups * cols)
     workspace = torch.empty(sum(sizes), dtype=torch.float32, device=device)
     row_partials, col_partials = workspace.split(sizes)
     launch(
         _sm3_matrix_kernel, strips.grid, device,
-        param, grad, momentum if momentum is not None else param, row_acc, col_acc,
-        row_partials, col_partials, rows, cols, strips.rows_per_group, strips.row_groups,
-        strips.tiles_per_program, lr, eps, beta1, 1.0 - beta1, weight_decay,
-        MOMENTUM=momentum is not None, BLOCK_M=strips.block_m, BLOCK_N=strips.block_n,
+        table, matrices, param, grads[0], momenta[0] if momenta is not None else param,
+        row_accs[0], row_partials, col_partials, rows, cols, strips.rows_per_group,
+        strips.row_groups, strips.tiles_per_program, lr, eps, beta1, 1.0 - beta1, weight_decay,
+        MOMENTUM=momenta is not None, BLOCK_M=strips.block_m, BLOCK_N=strips.block_n,
         ROUND_BF16_BY_HAND=_round_by_hand(param), num_warps=strips.num_warps,
     )  # fmt: skip
     block = _block_1d(device)
     col_blocks = triton.cdiv(cols, block)
     launch(
-        _sm3_accumulators_kernel, (col_blocks + triton.cdiv(rows, block),), device,
-        row_acc, col_acc, row_partials, col_partials, rows, cols, strips.row_groups,
+        _sm3_accumulators_kernel, (matrices, col_blocks + triton.cdiv(rows, block)), device,
+        table, matrices, row_accs[0], row_partials, col_partials, rows, cols, strips.row_groups,
         strips.col_tiles, col_blocks, BLOCK=block,
     )  # fmt: skip
 

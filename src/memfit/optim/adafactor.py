@@ -57,7 +57,7 @@ Cautions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -65,12 +65,11 @@ from torch import Tensor
 
 from memfit.ops._triton import use_triton
 from memfit.ops.optim_factored import (
-    KERNEL_DTYPES,
     AdafactorStep,
     adafactor_factored_update,
     adafactor_full_update,
 )
-from memfit.optim.states import load_states_as_saved
+from memfit.optim.factored import FactoredOptimizer
 
 __all__ = ["Adafactor", "state_bytes"]
 
@@ -142,7 +141,7 @@ def _relative_lr(group: dict[str, Any], step: float) -> float:
     return min(cap, 1.0 / math.sqrt(step))
 
 
-class Adafactor(torch.optim.Optimizer):
+class Adafactor(FactoredOptimizer):
     """Adafactor (Shazeer and Stern 2018; see the module docstring for the algorithm).
 
     params: parameters or parameter groups (float32, bfloat16 or float16). lr: the step size
@@ -189,75 +188,31 @@ class Adafactor(torch.optim.Optimizer):
         _check_options(defaults)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        _check_options(self.param_groups[-1])
+    check_options = staticmethod(_check_options)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_states_as_saved(self, state_dict)  # (torch would cast them to bf16 parameters')
+    def init_state(self, param: Tensor, state: dict[str, Tensor]) -> None:
+        if param.dim() >= 2:  # the statistics: (..., rows) and (..., cols)
+            state["row"] = param.new_zeros(param.shape[:-1], dtype=torch.float32)
+            state["col"] = param.new_zeros(param.shape[:-2] + param.shape[-1:], dtype=torch.float32)
+        else:
+            state["sq"] = param.new_zeros(param.shape, dtype=torch.float32)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            # the matrices that the kernels update together: one launch a pass for each set of
-            # one (rows, cols), dtype, momentum and step, instead of a Python loop over them
-            together: dict[tuple, list[Tensor]] = {}
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                step = self._count_step(param, group)
-                if step is None:
-                    continue
-                if use_triton(param) and param.dim() >= 2 and param.is_contiguous():
-                    key = (param.shape[-2:], param.dtype, step)
-                    together.setdefault(key, []).append(param)
-                else:
-                    self._update(param, group, step)
-            for (_, _, step), params in together.items():
-                states = [self.state[p] for p in params]
-                adafactor_factored_update(
-                    params,
-                    [p.grad.contiguous() for p in params],
-                    [s["row"] for s in states],
-                    [s["col"] for s in states],
-                    [s["momentum"] for s in states] if group["beta1"] is not None else None,
-                    self._options(group, step),
-                )
-        return loss
+    def has_momentum(self, group: dict[str, Any]) -> bool:
+        return group["beta1"] is not None
 
-    def _count_step(self, param: Tensor, group: dict[str, Any]) -> float | None:
-        """Check the parameter, create its states, count the step; the step (None: nothing to
-        update, an empty parameter)."""
-        if param.grad.is_sparse:
-            raise RuntimeError(
-                f"Adafactor does not take sparse gradients (a parameter of shape "
-                f"{tuple(param.shape)}); use a dense embedding (sparse=False)"
-            )
-        if param.dtype not in KERNEL_DTYPES:
-            raise ValueError(
-                f"Adafactor: parameters must be float32, bfloat16 or float16, got {param.dtype}"
-            )
-        state = self.state[param]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            if param.dim() >= 2:
-                # the statistics: (..., rows) and (..., cols)
-                state["row"] = param.new_zeros(param.shape[:-1], dtype=torch.float32)
-                state["col"] = param.new_zeros(
-                    param.shape[:-2] + param.shape[-1:], dtype=torch.float32
-                )
-            else:
-                state["sq"] = param.new_zeros(param.shape, dtype=torch.float32)
-        if group["beta1"] is not None and "momentum" not in state:
-            state["momentum"] = param.new_zeros(param.shape)
-        state["step"] += 1
-        if param.numel() == 0:
-            return None
-        return state["step"].item()  # a CPU tensor: no wait for the GPU
+    def together_key(self, param: Tensor, step: float) -> tuple:
+        return (step, param.shape[-2:], param.dtype)
+
+    def update_together(self, params: list[Tensor], group: dict[str, Any], step: float) -> None:
+        states = [self.state[p] for p in params]
+        adafactor_factored_update(
+            params,
+            [p.grad.contiguous() for p in params],
+            [s["row"] for s in states],
+            [s["col"] for s in states],
+            self.momenta(params, group),
+            self._options(group, step),
+        )
 
     @staticmethod
     def _options(group: dict[str, Any], step: float) -> AdafactorStep:
@@ -274,9 +229,8 @@ class Adafactor(torch.optim.Optimizer):
             scale_parameter=group["scale_parameter"],
         )
 
-    def _update(self, param: Tensor, group: dict[str, Any], step: float) -> None:
-        """One parameter's step on its own: the torch path, or the kernels for a vector or a
-        matrix that is not contiguous."""
+    def update_alone(self, param: Tensor, group: dict[str, Any], step: float) -> None:
+        """The torch path, or the kernels for a vector or a matrix that is not contiguous."""
         state, grad = self.state[param], param.grad
         options = self._options(group, step)
         momentum = state["momentum"] if group["beta1"] is not None else None

@@ -26,7 +26,8 @@ the parameter's dtype when beta1 > 0 (the paper's experiments use 0.9: then the 
 half of AdamW's for fp32 parameters). The step counter is a CPU tensor.
 
 Paths: on CUDA the fused Triton kernels of `memfit.ops.optim_factored` (one pass over the
-gradient and the parameter, then a tiny kernel for the new accumulators); elsewhere (CPU, and
+gradient and the parameter, then a tiny kernel for the new accumulators, each one launch for
+all the matrices of one shape and dtype); elsewhere (CPU, and
 while torch.compile traces) plain, vectorized PyTorch with the same formulas, which is also the
 reference the kernels are tested against.
 
@@ -43,15 +44,15 @@ the accumulators fp32 and the step counter on the CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from memfit.ops._triton import use_triton
-from memfit.ops.optim_factored import KERNEL_DTYPES, sm3_matrix_update, sm3_vector_update
-from memfit.optim.states import load_states_as_saved
+from memfit.ops.optim_factored import sm3_matrix_update, sm3_vector_update
+from memfit.optim.factored import FactoredOptimizer
 
 __all__ = ["SM3", "state_bytes"]
 
@@ -83,7 +84,7 @@ def _check_options(group: dict[str, Any]) -> None:
     number_in("weight_decay", 0, math.inf, ">= 0")
 
 
-class SM3(torch.optim.Optimizer):
+class SM3(FactoredOptimizer):
     """SM3-II (Anil et al. 2019; see the module docstring for the algorithm).
 
     params: parameters or parameter groups (float32, bfloat16 or float16). lr: the step size.
@@ -112,64 +113,55 @@ class SM3(torch.optim.Optimizer):
         _check_options(defaults)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        _check_options(self.param_groups[-1])
+    check_options = staticmethod(_check_options)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_states_as_saved(self, state_dict)  # (torch would cast them to bf16 parameters')
+    def init_state(self, param: Tensor, state: dict[str, Tensor]) -> None:
+        if param.dim() >= 2:
+            state["row_acc"] = param.new_zeros(param.shape[:-1], dtype=torch.float32)
+            state["col_acc"] = param.new_zeros(param.shape[-1:], dtype=torch.float32)
+        else:
+            state["acc"] = param.new_zeros(param.shape, dtype=torch.float32)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group)
-        return loss
+    def has_momentum(self, group: dict[str, Any]) -> bool:
+        return group["beta1"] > 0
 
-    def _update(self, param: Tensor, group: dict[str, Any]) -> None:
-        grad = param.grad
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"SM3 does not take sparse gradients (a parameter of shape "
-                f"{tuple(param.shape)}); use a dense embedding (sparse=False)"
-            )
-        if param.dtype not in KERNEL_DTYPES:
-            raise ValueError(
-                f"SM3: parameters must be float32, bfloat16 or float16, got {param.dtype}"
-            )
-        state = self.state[param]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            if param.dim() >= 2:
-                state["row_acc"] = param.new_zeros(param.shape[:-1], dtype=torch.float32)
-                state["col_acc"] = param.new_zeros(param.shape[-1:], dtype=torch.float32)
-            else:
-                state["acc"] = param.new_zeros(param.shape, dtype=torch.float32)
-        beta1 = group["beta1"]
-        if beta1 > 0 and "momentum" not in state:
-            state["momentum"] = param.new_zeros(param.shape)
-        state["step"] += 1
-        if param.numel() == 0:
-            return
-        options = dict(
-            lr=group["lr"], eps=group["eps"], beta1=beta1, weight_decay=group["weight_decay"]
+    def together_key(self, param: Tensor, step: float) -> tuple:
+        return (step, param.numel() // param.shape[-1], param.shape[-1], param.dtype)
+
+    @staticmethod
+    def _options(group: dict[str, Any]) -> dict[str, float]:
+        return dict(
+            lr=group["lr"], eps=group["eps"], beta1=group["beta1"],
+            weight_decay=group["weight_decay"],
+        )  # fmt: skip
+
+    def update_together(self, params: list[Tensor], group: dict[str, Any], step: float) -> None:
+        states = [self.state[p] for p in params]
+        sm3_matrix_update(
+            params,
+            [p.grad.contiguous() for p in params],
+            [s["row_acc"].view(-1) for s in states],  # (rows,): all leading dims
+            [s["col_acc"] for s in states],
+            self.momenta(params, group),
+            **self._options(group),
         )
-        momentum = state["momentum"] if beta1 > 0 else None
+
+    def update_alone(self, param: Tensor, group: dict[str, Any], step: float) -> None:
+        """The torch path, or the kernels for a vector or a matrix that is not contiguous."""
+        state, grad = self.state[param], param.grad
+        momentum = state["momentum"] if self.has_momentum(group) else None
         if not use_triton(param):
-            _update_torch(param, grad, state, momentum, **options)
+            _update_torch(param, grad, state, momentum, **self._options(group))
             return
         target = param if param.is_contiguous() else param.contiguous()
         grad = grad.contiguous()
         if "row_acc" in state:
-            row_acc = state["row_acc"].view(-1)  # (rows,): all leading dims
-            sm3_matrix_update(target, grad, row_acc, state["col_acc"], momentum, **options)
+            sm3_matrix_update(
+                [target], [grad], [state["row_acc"].view(-1)], [state["col_acc"]],
+                [momentum] if momentum is not None else None, **self._options(group),
+            )  # fmt: skip
         else:
-            sm3_vector_update(target, grad, state["acc"], momentum, **options)
+            sm3_vector_update(target, grad, state["acc"], momentum, **self._options(group))
         if target is not param:
             param.copy_(target)
 
