@@ -766,7 +766,12 @@ def serve_table(run: dict) -> str:
     lines += [row("`transformers serve --continuous-batching`", r) for r in peer["rates"]]
     lines += [row("`memfit serve`", r) for r in run.get("rates", [])]
     lines += [
-        row("`memfit serve`", r, f", prefill budget {r['max_step_tokens']}")
+        row(
+            "`memfit serve`",
+            r,
+            f", prefill budget {r['max_step_tokens']}"
+            + (f", max running {r['max_running']}" if "max_running" in r else ""),
+        )
         for r in run.get("chunk", [])
     ]
     lines += [

@@ -10,9 +10,10 @@ Parts (--parts):
   Poisson process at each rate of --rates (requests/s, "inf": all at once), after an unloaded
   run (one request at a time); per rate: output tokens/s, time to first token (TTFT) and
   inter-token latency (ITL, between two streamed tokens) p50/p99.
-- chunk: the all-at-once load again with a prefill budget of --chunk-tokens tokens per step
-  (chunked prefill: a long prompt is computed in pieces between the running decodes): the ITL
-  that the running streams see against the throughput.
+- chunk: the loads at --chunk-rates again with a prefill budget of --chunk-tokens tokens per
+  step (chunked prefill: a long prompt is computed in pieces between the running decodes) and
+  at most --chunk-max-running sequences a step: the ITL that the running streams see against
+  the throughput.
 - interval: the all-at-once load with tokens streamed --stream-intervals at a time.
 - api_servers: `memfit serve --api-servers N` started from the command line, N in
   --api-servers, at --api-rates: several HTTP processes sharing one engine.
@@ -361,14 +362,16 @@ def rates_part(clients, checkpoint, args) -> list[dict]:
 
 
 def chunk_part(clients, checkpoint, args) -> list[dict]:
-    """The all-at-once load with smaller prefill budgets (`memfit serve --max-step-tokens`)."""
+    """The loads with smaller prefill budgets (`memfit serve --max-step-tokens`), each with
+    every --chunk-max-running (`--max-running`: the most sequences a step decodes)."""
     rows = []
-    for i, budget in enumerate(args.chunk_tokens):
-        with MemfitServer(checkpoint, args, max_step_tokens=budget) as server:
+    configs = [(b, r) for b in args.chunk_tokens for r in args.chunk_max_running]
+    for i, (budget, running) in enumerate(configs):
+        with MemfitServer(checkpoint, args, max_step_tokens=budget, max_running=running) as server:
             warm_up(clients, server.url, "m", args)
-            label, seed = f"budget {budget}", 200 + 10 * i
+            label, seed = f"budget {budget}, max running {running}", 200 + 10 * i
             loads = load_rows(clients, server, "m", args, args.chunk_rates, label, seed=seed)
-        rows += [row | {"max_step_tokens": budget} for row in loads]
+        rows += [row | {"max_step_tokens": budget, "max_running": running} for row in loads]
     return rows
 
 
@@ -490,6 +493,7 @@ def main() -> None:
     parser.add_argument("--peer-rates", nargs="+", type=float, default=[float("inf")])
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[512, 1024])
     parser.add_argument("--chunk-rates", nargs="+", type=float, default=[256, float("inf")])
+    parser.add_argument("--chunk-max-running", nargs="+", type=int, default=[256])
     parser.add_argument("--stream-intervals", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--api-servers", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--api-rates", nargs="+", type=float, default=[256, float("inf")])

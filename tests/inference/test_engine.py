@@ -150,7 +150,9 @@ def test_captured_mixed_step_inputs_give_the_eager_step(model, kernels):
             model.config, num_blocks=40, block_size=4, dtype=torch.float32, device="cpu"
         )
 
-    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert token_buckets(1000) == [16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                                   640, 768, 896, 1000]  # fmt: skip
+    assert token_buckets(2048)[-5:] == [1024, 1280, 1536, 1792, 2048] and token_buckets(8) == [8]
     eager, static = cache(), cache()
     first = prompts((3, 9, 6))
     for c in (eager, static):

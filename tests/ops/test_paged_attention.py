@@ -50,10 +50,19 @@ def test_chunks_over_a_cached_prefix(heads_q, heads_kv, head_dim, page, dtype):
     check_paged([21, 9, 1, 1], [21, 50, 33, 1], heads_q, heads_kv, head_dim, page, dtype, "cpu")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_step_decodes_split(num_splits):
+    # the decodes of a mixed step run in the decode kernel, split, between prefill chunks
+    check_paged([1, 21, 1, 9, 1], [70, 21, 5, 50, 33], 8, 2, 64, 16, torch.float32, "cpu",
+                num_splits=num_splits)  # fmt: skip
+
+
 @pytest.mark.parametrize("window", [1, 7, 20])
 def test_sliding_window(window):
     check_paged([1, 1], [45, 9], 4, 2, 64, 8, torch.float32, "cpu", window=window, num_splits=2)
     check_paged([12, 3], [40, 3], 4, 2, 64, 8, torch.float32, "cpu", window=window)
+    # decodes beside a chunk (in the decode kernel) under the window
+    check_paged([1, 12, 1], [45, 40, 9], 4, 2, 64, 8, torch.float32, "cpu", window=window)
 
 
 def test_window_with_whole_tiles_every_row_sees():

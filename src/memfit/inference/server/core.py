@@ -18,6 +18,7 @@ hears of its own requests only (and of the gauges).
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import signal
@@ -286,6 +287,10 @@ def engine_process(
     core.attach(PipeInbox(inboxes))
     if on_load is not None:
         on_load(llm)
+    # what loading left (the model's modules, the tokenizer, the graphs' tensors) is kept out of
+    # the collector's full passes: they would scan it all and stall a step now and then
+    gc.collect()
+    gc.freeze()
     for outbox in outboxes:
         outbox.send(("ready", ready, core.state()))
     core.run()

@@ -129,6 +129,7 @@ def _decode_kernel(
     PartL,
     block_table,
     seq_lens,
+    query_start,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -150,6 +151,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
+    MIXED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -159,13 +161,18 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    row = seq  # the token's row of Q and Out
+    if MIXED:  # a step with prefill chunks too: only the sequences of one new token are ours
+        row = tl.load(query_start + seq)
+        if tl.load(query_start + seq + 1) - row != 1:
+            return
     seqlen = tl.load(seq_lens + seq)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_g
     g_ok = offs_g < GROUP
     d_ok = offs_d[None, :] < HEAD_DIM
-    q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = Q + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok, other=0.0)
 
     pos = seqlen - 1
@@ -195,7 +202,7 @@ def _decode_kernel(
         tl.store(PartAcc + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
     else:
         out = _to_dtype(acc / tl.where(g_ok, l_i, 1.0)[:, None], Out.dtype.element_ty, INTERPRET)
-        o_ptrs = Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        o_ptrs = Out + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out, mask=g_ok[:, None] & d_ok)
 
 
@@ -205,12 +212,14 @@ def _merge_splits_kernel(
     PartAcc,
     PartM,
     PartL,
+    query_start,
     stride_ot,
     stride_oh,
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    MIXED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -221,6 +230,11 @@ def _merge_splits_kernel(
         gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    out_row = seq
+    if MIXED:  # (as in the decode kernel: only sequences of one new token)
+        out_row = tl.load(query_start + seq)
+        if tl.load(query_start + seq + 1) - out_row != 1:
+            return
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
@@ -231,7 +245,7 @@ def _merge_splits_kernel(
     weight = tl.where(s_ok & (m > float("-inf")), tl.math.exp2(m - m_max), 0.0)
     acc = tl.load(PartAcc + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(lse * weight, 0)
-    o_ptrs = Out + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    o_ptrs = Out + out_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_ptrs, _to_dtype(out, Out.dtype.element_ty, INTERPRET), mask=offs_d < HEAD_DIM)
 
 
@@ -268,6 +282,7 @@ def _chunk_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
+    DECODES_APART: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -291,6 +306,8 @@ def _chunk_kernel(
     local = pid - (q_begin // BLOCK_Q + seq)
     if local * BLOCK_Q >= q_len:
         return
+    if DECODES_APART and q_len == 1:
+        return  # the decode kernel's (a tile of BLOCK_Q tokens would use one)
     seqlen = tl.load(seq_lens + seq)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -399,8 +416,8 @@ def paged_attention(
     (sequences + 1,) int32, where each sequence's tokens begin in q; max_query_len and
     max_seq_len: host-side bounds (they pick the kernel and the split count; a CUDA graph
     captures them, so pass the largest a captured step may see). Returns (tokens, heads_q,
-    head_dim) in q's dtype. A step of decodes only (max_query_len 1) runs the decode kernel,
-    split `num_splits` ways (default: `decode_splits`); any other the chunk kernel.
+    head_dim) in q's dtype. Sequences of one new token run the decode kernel, split
+    `num_splits` ways (default: `decode_splits`); those of more the chunk kernel.
     """
     tokens, heads_q, head_dim = q.shape
     _, page, heads_kv, _ = key_pool.shape
@@ -420,46 +437,53 @@ def paged_attention(
     pdl = pdl_enabled(q.device)
     common = (q.stride(0), q.stride(1), *key_pool.stride()[:3], *value_pool.stride()[:3])
     common += (out.stride(0), out.stride(1), block_table.stride(0), scale, window)
-    if max_query_len == 1 and tokens == num_seqs:
+    decodes_only = max_query_len == 1 and tokens == num_seqs
+    if not decodes_only:
         if interpret:
-            block_n, warps, stages = _INTERPRET_BLOCK_N, 1, 1
+            block_m, block_n, warps, stages = 16, _INTERPRET_BLOCK_N, 1, 1
         else:
-            block_n, warps, stages = DECODE_CONFIGS.get(block_d, DECODE_CONFIGS[128])
-        splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
-        part = {}
-        if splits > 1:
-            rows = num_seqs * heads_q * splits
-            part["acc"] = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
-            part["m"] = torch.empty(rows, dtype=torch.float32, device=q.device)
-            part["l"] = torch.empty(rows, dtype=torch.float32, device=q.device)
-        acc, m, lse = part.get("acc", out), part.get("m", out), part.get("l", out)
+            block_m, block_n, warps, stages = CHUNK_CONFIG
+        group_pad = _next_pow2(group)
+        block_q = max(block_m // group_pad, 1)
+        grid = (-(-tokens // block_q) + num_seqs, heads_kv)
         launch(
-            _decode_kernel, (num_seqs, heads_kv, splits), q.device,
-            q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, *common, splits,
-            GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, INTERPRET=interpret,
-            PDL=pdl, num_warps=warps, num_stages=stages,
+            _chunk_kernel, grid, q.device,
+            q, key_pool, value_pool, out, block_table, seq_lens, query_start, num_seqs, *common,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, DECODES_APART=num_seqs > 1,
+            INTERPRET=interpret, PDL=pdl, num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        if splits > 1:
-            launch(
-                _merge_splits_kernel, (num_seqs, heads_q), q.device,
-                out, acc, m, lse, out.stride(0), out.stride(1), splits,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(16, _next_pow2(splits)),
-                INTERPRET=interpret, PDL=pdl,
-            )  # fmt: skip
-        return out
+        if num_seqs == 1:
+            return out
+    # Decodes, alone or beside prefill chunks (a mixed step: the decode kernel then takes the
+    # sequences of one new token and the chunk kernel the others). The chunk kernel's tile of
+    # BLOCK_Q tokens would use one of its rows for a decode, and its programs are too large for
+    # many to share an SM: a mixed step's 200 decodes took 114-136 us a layer there (H100).
     if interpret:
-        block_m, block_n, warps, stages = 16, _INTERPRET_BLOCK_N, 1, 1
+        block_n, warps, stages = _INTERPRET_BLOCK_N, 1, 1
     else:
-        block_m, block_n, warps, stages = CHUNK_CONFIG
-    group_pad = _next_pow2(group)
-    block_q = max(block_m // group_pad, 1)
-    grid = (-(-tokens // block_q) + num_seqs, heads_kv)
+        block_n, warps, stages = DECODE_CONFIGS.get(block_d, DECODE_CONFIGS[128])
+    splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
+    part = {}
+    if splits > 1:
+        rows = num_seqs * heads_q * splits
+        part["acc"] = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
+        part["m"] = torch.empty(rows, dtype=torch.float32, device=q.device)
+        part["l"] = torch.empty(rows, dtype=torch.float32, device=q.device)
+    acc, m, lse = part.get("acc", out), part.get("m", out), part.get("l", out)
+    mixed = not decodes_only
     launch(
-        _chunk_kernel, grid, q.device,
-        q, key_pool, value_pool, out, block_table, seq_lens, query_start, num_seqs, *common,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, PAGE=page, INTERPRET=interpret, PDL=pdl, num_warps=warps,
-        num_stages=stages,
+        _decode_kernel, (num_seqs, heads_kv, splits), q.device,
+        q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, query_start, *common,
+        splits, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, MIXED=mixed,
+        INTERPRET=interpret, PDL=pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if splits > 1:
+        launch(
+            _merge_splits_kernel, (num_seqs, heads_q), q.device,
+            out, acc, m, lse, query_start, out.stride(0), out.stride(1), splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(16, _next_pow2(splits)),
+            MIXED=mixed, INTERPRET=interpret, PDL=pdl,
+        )  # fmt: skip
     return out
