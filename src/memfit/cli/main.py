@@ -83,6 +83,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--offload", choices=["none", "optimizer", "params"])
     p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        default=None,
+        help="with --checkpointing full or selective: each block's input goes to pinned CPU "
+        "memory in the forward and comes back one block ahead in the backward",
+    )
+    p.add_argument(
         "--reduce-dtype", choices=["fp32", "bf16"], help="dtype of the gradient collectives"
     )
     p.add_argument("--attention", choices=["auto", "flash", "sdpa", "eager"])
@@ -248,6 +255,7 @@ _TRAIN_FLAGS = {
     "grad_accum": ("train", "grad_accum"),
     "precision": ("train", "precision"),
     "checkpointing": ("train", "checkpointing"),
+    "offload_activations": ("train", "offload_activations"),
     "optimizer": ("train", "optimizer"),
     "master_weights": ("train", "master_weights"),
     "lr": ("train", "lr"),

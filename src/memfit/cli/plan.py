@@ -107,6 +107,8 @@ def train_command(model: str, strategy: Strategy) -> str:
         parts.append(f"--optimizer {strategy.optimizer}")
     if strategy.master_weights != "fp32":
         parts.append(f"--master-weights {strategy.master_weights}")
+    if strategy.offload_activations:
+        parts.append("--offload-activations")
     return " ".join(parts)
 
 
@@ -144,6 +146,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         master_weights=args.master_weights,
         zero=args.zero,
         offload=args.offload,
+        offload_activations=args.offload_activations,
         world_size=args.gpus,
     )
     result = plan(model, strategy, gpu)
@@ -367,6 +370,11 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
+    p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="checkpointed blocks' inputs in pinned CPU memory (needs --checkpointing)",
+    )
     p.add_argument(
         "--host-cpus",
         type=int,

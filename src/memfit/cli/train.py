@@ -57,7 +57,10 @@ def choose_strategy(config: Config, console: Console) -> Config:
         micro_batch=best.strategy.micro_batch,
         grad_accum=best.strategy.grad_accum,
         checkpointing=best.strategy.checkpointing,
+        offload_activations=best.strategy.offload_activations,
         precision=best.strategy.precision,
+        optimizer=best.strategy.optimizer,
+        master_weights=best.strategy.master_weights,
     )
     return dataclasses.replace(config, train=chosen)
 

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from memfit.distributed.sharding import ShardedParameters, shard_parameters
 from memfit.train.checkpointing import CheckpointingMode, apply_activation_checkpointing
+from memfit.train.offload import ActivationOffload
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -52,10 +53,11 @@ def parallelize(
     param_dtype: torch.dtype,
     offload_params: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    offload_activations: ActivationOffload | None = None,
 ) -> ShardedParameters | None:
     """Apply the techniques to `model` in place, in the order of the module docstring. Returns
     the ZeRO-3 sharding (for the optimizer side), or None below stage 3."""
-    apply_activation_checkpointing(model, checkpointing)
+    apply_activation_checkpointing(model, checkpointing, offload=offload_activations)
     if compile:
         apply_compile(model)
     if zero != 3:

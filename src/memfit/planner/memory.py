@@ -91,6 +91,8 @@ class Strategy:
     fused_cross_entropy: bool = True
     zero: int = 0
     offload: Literal["none", "optimizer", "params"] = "none"
+    # checkpointed blocks' inputs in pinned CPU memory (`--offload-activations`)
+    offload_activations: bool = False
     world_size: int = 1
 
     def __post_init__(self) -> None:
@@ -102,6 +104,8 @@ class Strategy:
             )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.offload_activations and self.checkpointing == "none":
+            raise ValueError("offload_activations needs checkpointing full or selective")
         check_parallelism(
             zero=self.zero,
             offload=self.offload,
@@ -121,6 +125,8 @@ class Strategy:
         if self.grad_accum > 1:
             parts.append(f"accum {self.grad_accum}")
         parts.append(f"ckpt {self.checkpointing}")
+        if self.offload_activations:
+            parts.append("offload activations")
         if self.zero or self.world_size > 1:
             parts.append(f"zero {self.zero} x {self.world_size} GPUs")
         if self.offload != "none":
@@ -250,6 +256,11 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     c = 4 if strategy.precision == "fp32" else 2
     outside = c * T * s["h"] + 4 * T + 8 * T  # final norm input, its 1/rms, token ids
     activations = L * per_layer + outside
+    block_input = c * T * s["h"]
+    if strategy.offload_activations:
+        # the block inputs live in pinned CPU memory; on the GPU two at most: one being copied
+        # out (or, in backward, the block's own) and the next one coming back
+        activations -= (L - min(L, 2)) * block_input
     ce_saved, ce_transient = _cross_entropy(model, strategy)
     # (bf16 parameters: autocast has nothing to copy)
     weight_copies = c_low * L * s["P_matmul_layer"] if strategy.master_weights == "fp32" else 0
@@ -326,12 +337,18 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
 
     notes = []
     host = 0
+    if strategy.offload_activations:
+        host += L * block_input
+        notes.append(f"offloaded block inputs take {gib(L * block_input)} of pinned CPU memory")
     if strategy.offload != "none":
         # stage 0 replicates the whole model's states on every rank, the others shard them
-        host = states["host"]
+        host += states["host"]
         ranks = min(N, 8)  # the ranks that share a node's memory (8 GPUs per node)
-        node = f", {gib(host * ranks)} for the {ranks} ranks of a node" if ranks > 1 else ""
-        notes.append(f"offloaded states take {gib(host)} of pinned CPU memory per rank{node}")
+        states_host = states["host"]
+        node = f", {gib(states_host * ranks)} for the {ranks} ranks of a node" if ranks > 1 else ""
+        notes.append(
+            f"offloaded states take {gib(states_host)} of pinned CPU memory per rank{node}"
+        )
     return MemoryPlan(
         model=model,
         strategy=strategy,

@@ -76,7 +76,10 @@ def _search(
 ) -> list[Recommendation]:
     budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
     found = []
-    for checkpointing in ("none", "selective", "full"):
+    # (activation offload after each checkpointing mode alone: at equal predicted speed the
+    # one without it ranks first)
+    modes = [("none", False), ("selective", False), ("selective", True), ("full", False)]
+    for checkpointing, offload_activations in [*modes, ("full", True)]:
         micro_batch = 1
         while micro_batch <= 64:
             grad_accum = max(1, tokens_per_step // (micro_batch * seq_len))
@@ -86,6 +89,7 @@ def _search(
                 seq_len=seq_len,
                 grad_accum=grad_accum,
                 checkpointing=checkpointing,
+                offload_activations=offload_activations,
                 optimizer=optimizer,
                 master_weights=master_weights,
             )

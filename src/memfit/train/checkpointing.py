@@ -13,6 +13,8 @@ number of backward hooks):
   costly-to-recompute, cheap-to-store part, the reverse of what Korthikanti et al. 2022
   ("Reducing Activation Recomputation in Large Transformer Models") faced before it. With
   `attention="eager"` there is no fused kernel to save and selective behaves as full.
+With `offload` (full or selective), each block's input goes to pinned CPU memory during the
+forward and comes back one block ahead in the backward (memfit.train.offload).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.utils.checkpoint import (
 )
 
 import memfit.ops.attention  # noqa: F401  (registers torch.ops.memfit.flash_attn_forward)
+from memfit.train.offload import ActivationOffload
 
 CheckpointingMode = Literal["none", "full", "selective"]
 
@@ -48,18 +51,42 @@ def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward, mode: CheckpointingMode, *args, **kwargs):
+def _checkpointed(
+    forward, mode: CheckpointingMode, offload: ActivationOffload | None, *args, **kwargs
+):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    context_fn = None
+    options = {"use_reentrant": False}
     if mode == "selective":
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_attention)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        options["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, _save_attention
+        )
+    if offload is None or not args or not isinstance(args[0], torch.Tensor):
+        return checkpoint(forward, *args, **options, **kwargs)
+    # The block input goes to CPU memory: the checkpoint must not hold it, so it is not one of
+    # the checkpoint's arguments. The first call (the forward) runs on the tensor itself, whose
+    # autograd graph the gradient follows; the recompute runs on the copy taken back, which only
+    # supplies the values that the backward's saved tensors need. It is taken back when the
+    # backward reaches the block's output, before the recompute starts: no copy runs inside the
+    # recompute (selective checkpointing replays the forward's ops there, and only those).
+    first, back = [args[0]], []
+    saved = offload.offload(args[0])
+
+    def run(*rest, **kw):
+        x = first.pop() if first else (back.pop() if back else offload.take(saved))
+        return forward(x, *rest, **kw)
+
+    out = checkpoint(run, *args[1:], **options, **kwargs)
+    if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        out.grad_fn.register_prehook(lambda grads: back.append(offload.take(saved)))
+    return out
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: CheckpointingMode) -> nn.Module:
-    """Make each block of `model.layers` recompute its activations in backward, in place.
+def apply_activation_checkpointing(
+    model: nn.Module, mode: CheckpointingMode, *, offload: ActivationOffload | None = None
+) -> nn.Module:
+    """Make each block of `model.layers` recompute its activations in backward, in place;
+    `offload`: the block inputs go to CPU memory meanwhile (memfit.train.offload).
 
     The module tree and state_dict are unchanged (the wrapper replaces the instance's forward),
     so checkpoints load with or without it."""
@@ -68,7 +95,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: CheckpointingMode) ->
             f"activation checkpointing mode {mode!r} is not one of none, full, selective"
         )
     if mode == "none":
+        if offload is not None:
+            raise ValueError(
+                "activation offload moves the inputs of checkpointed blocks: it needs "
+                "--checkpointing full or selective"
+            )
         return model
     for block in model.layers:
-        block.forward = functools.partial(_checkpointed, block.forward, mode)
+        block.forward = functools.partial(_checkpointed, block.forward, mode, offload)
     return model

@@ -47,6 +47,7 @@ from memfit.planner.advice import planner_advice, preflight
 from memfit.train import checkpoint as ckpt
 from memfit.train.data import build_data
 from memfit.train.metrics import StepMetrics, device_peak_flops, memory_stats
+from memfit.train.offload import ActivationOffload
 from memfit.train.precision import DTYPES, DynamicLossScaler, resolve_precision
 from memfit.train.step import StepObserver, train_step
 
@@ -190,6 +191,9 @@ class Trainer:
         # 5. techniques, in order: activation checkpointing, compile, ZeRO-3 sharding
         groups = parameter_groups(self.model, train.weight_decay)
         self.compiled = compiles_blocks(config.model.compile, self.device, train.checkpointing)
+        self.activation_offload = (
+            ActivationOffload(self.device) if train.offload_activations else None
+        )
         self.sharded = parallelize(
             self.model,
             checkpointing=train.checkpointing,
@@ -198,6 +202,7 @@ class Trainer:
             param_groups=groups,
             param_dtype=DTYPES[self.precision],
             offload_params=offload == "params",
+            offload_activations=self.activation_offload,
         )
 
         # 6. the optimizer side (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
@@ -531,7 +536,7 @@ class Trainer:
             checkpointing=train.checkpointing, optimizer=train.optimizer,
             master_weights=train.master_weights,
             attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
-            world_size=self.world.world_size,
+            offload_activations=train.offload_activations, world_size=self.world.world_size,
         )  # fmt: skip
 
     def _out_of_memory(self, error: torch.OutOfMemoryError) -> OutOfMemory:

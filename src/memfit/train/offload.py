@@ -1,0 +1,126 @@
+"""Activation offload: the input each checkpointed block keeps for its backward (all that full
+checkpointing keeps of a block) goes to pinned CPU memory during the forward and comes back one
+block ahead during the backward, both copies on a stream of their own so that they overlap the
+blocks' compute.
+
+    offload = ActivationOffload(device)
+    apply_activation_checkpointing(model, "full", offload=offload)
+
+Forward: block i's input is copied out on the side stream once the compute stream has made it;
+the GPU tensor is freed when the block returns (the allocator keeps its memory from reuse until
+the copy is done). Backward runs the blocks in reverse: block i's recompute takes its input
+back, waiting for its copy in if it is not there yet, and starts the copy in of block i-1, which
+overlaps block i's recompute and backward. So about two block inputs are on the GPU at a time
+instead of one per layer. The pinned buffers go back to a pool once their copy in is done and
+serve the next micro-batch: none is allocated per step once the first has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(eq=False)
+class Offloaded:
+    """A block input in CPU memory: its buffer, and what the copy back needs."""
+
+    host: Tensor
+    requires_grad: bool
+    index: int
+    copied_out: torch.cuda.Event | None = None
+    device_copy: Tensor | None = None  # once the copy in has started
+    copied_in: torch.cuda.Event | None = None
+    taken: bool = False
+
+
+class ActivationOffload:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._free: dict[tuple, list[Tensor]] = {}  # pinned buffers by (shape, dtype)
+        self._returning: list[tuple[torch.cuda.Event | None, Tensor]] = []
+        self._blocks: list[Offloaded] = []  # this forward's, in order
+        self.buffers_allocated = 0
+        """Pinned buffers made so far (they are reused: this stops growing after one step)."""
+        self.bytes_offloaded = 0
+        """Bytes copied out so far."""
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def offload(self, x: Tensor) -> Offloaded:
+        """Start copying `x` (a block input) to CPU memory; the caller drops its reference."""
+        if self._blocks and all(block.taken for block in self._blocks):
+            self._blocks = []  # the last forward's backward has taken them all: a new forward
+        host = self._buffer(x)
+        event = None
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(x.detach(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            x.record_stream(self.stream)  # (its memory waits for the copy before reuse)
+        else:
+            host.copy_(x.detach())
+        block = Offloaded(host, x.requires_grad, len(self._blocks), copied_out=event)
+        self._blocks.append(block)
+        self.bytes_offloaded += x.numel() * x.element_size()
+        return block
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def take(self, block: Offloaded) -> Tensor:
+        """The block input back on the device (for its recompute); starts the copy in of the
+        block before it, whose backward comes next."""
+        self._copy_in(block)
+        if block.index > 0 and block.index - 1 < len(self._blocks):
+            self._copy_in(self._blocks[block.index - 1])
+        x = block.device_copy
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(block.copied_in)
+            x.record_stream(current)  # (made on the side stream, used and freed on this one)
+        block.device_copy, block.taken = None, True
+        return x.requires_grad_(block.requires_grad)
+
+    def _copy_in(self, block: Offloaded) -> None:
+        if block.device_copy is not None or block.taken:
+            return
+        host = block.host
+        if self.cuda:
+            with torch.cuda.stream(self.stream):  # (after its copy out: the same stream)
+                x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                x.copy_(host, non_blocking=True)
+                block.copied_in = torch.cuda.Event()
+                block.copied_in.record(self.stream)
+        else:
+            x = host.clone()
+        block.device_copy = x
+        self._returning.append((block.copied_in, host))
+
+    # -- the pinned pool ----------------------------------------------------------------------
+
+    def _buffer(self, like: Tensor) -> Tensor:
+        still = []
+        for event, host in self._returning:  # buffers whose copy in is done are free again
+            if event is None or event.query():
+                self._free.setdefault((tuple(host.shape), host.dtype), []).append(host)
+            else:
+                still.append((event, host))
+        self._returning = still
+        free = self._free.get((tuple(like.shape), like.dtype))
+        if free:
+            return free.pop()
+        self.buffers_allocated += 1
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.cuda)
+
+    @property
+    def pooled_bytes(self) -> int:
+        """CPU memory the pool holds (free and in use)."""
+        held = [h for hosts in self._free.values() for h in hosts]
+        held += [h for _, h in self._returning] + [b.host for b in self._blocks if not b.taken]
+        return sum(h.numel() * h.element_size() for h in {id(h): h for h in held}.values())
