@@ -219,6 +219,26 @@ PRESETS: dict[str, ModelConfig] = {
         },
         tie_embeddings=True,
     ),
+    # Llama 3.2 3B: 3.21B parameters, tied embeddings, 8 kv heads of 128, llama3 RoPE scaling.
+    "llama-3.2-3b": ModelConfig(
+        name="llama-3.2-3b",
+        vocab_size=128256,
+        hidden_size=3072,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_embeddings=True,
+    ),
     "llama-3-8b": ModelConfig(
         name="llama-3-8b",
         vocab_size=128256,
