@@ -23,6 +23,7 @@ STEPS = 3
 def config(
     tmp, *, micro_batch, grad_accum=1, zero=0, offload="none", lr=3e-3, name="run", steps=STEPS,
     resume=False, reduce_dtype="fp32", checkpointing="none", device="cpu", precision="fp32",
+    offload_activations=False,
 ):  # fmt: skip
     return build_config(
         flags={
@@ -36,6 +37,7 @@ def config(
                 "precision": precision,
                 "lr": lr,
                 "checkpointing": checkpointing,
+                "offload_activations": offload_activations,
             },
             "distributed": {
                 "zero": zero,
@@ -144,6 +146,38 @@ def test_two_ranks_train_like_one_process(tmp_path, zero, offload, grad_accum, c
         torch.testing.assert_close(
             torch.from_numpy(params[name]), ref, rtol=1e-4, atol=1e-4, msg=name
         )
+
+
+def test_activation_offload_composes_with_zero_3(tmp_path):
+    # ZeRO-3 gathers each block's parameters around its forward and again for its recompute,
+    # whose input comes back from CPU memory
+    kwargs = {"zero": 3, "checkpointing": "full", "offload_activations": True}
+    results = run_two(tmp_path, micro_batch=2, grad_accum=2, **kwargs)
+    assert all(r[0] == "ok" for r in results.values()), results
+    ref_losses, ref_params = reference(tmp_path, micro_batch=4, grad_accum=2)
+    _, losses, params = results[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(
+            torch.from_numpy(params[name]), ref, rtol=1e-4, atol=1e-4, msg=name
+        )
+
+
+def test_activation_offload_trains_bitwise_like_checkpointing(tmp_path):
+    plain = Trainer(config(str(tmp_path), micro_batch=2, grad_accum=2, checkpointing="full"))
+    offloaded = Trainer(
+        config(
+            str(tmp_path), micro_batch=2, grad_accum=2, checkpointing="full",
+            offload_activations=True, name="offload",
+        )
+    )  # fmt: skip
+    for _ in range(STEPS):
+        assert offloaded.train_step().loss == plain.train_step().loss
+    assert offloaded.activation_offload.buffers_allocated > 0
+    for (name, param), other in zip(
+        plain.model.named_parameters(), offloaded.model.parameters(), strict=True
+    ):
+        assert torch.equal(param, other), name
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
