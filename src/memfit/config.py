@@ -152,8 +152,9 @@ class TrainSection(_Section):
     """auto: bf16 on a GPU that has it, else fp32."""
     checkpointing: Literal["none", "full", "selective"] = "none"
     offload_activations: bool = False
-    """With checkpointing full or selective: each block's input goes to pinned CPU memory during
-    the forward and comes back one block ahead in the backward (memfit.train.offload)."""
+    """Each block's input (with checkpointing full or selective), or else each tensor of at least
+    1 MiB that a block saves, goes to pinned CPU memory during the forward and comes back one
+    block ahead in the backward (memfit.train.offload)."""
     optimizer: str = "adamw"
     master_weights: Literal["fp32", "none"] = "fp32"
     """fp32: the parameters are fp32 master weights (autocast casts them per matmul); none: the
@@ -192,11 +193,6 @@ class TrainSection(_Section):
         if not 0 <= self.seed < 2**64:  # what the data sampler, `random` and torch all take
             raise ValueError(f"train.seed must be in [0, 2**64), got {self.seed!r}")
         check_device_spec(self.device, "train.device")
-        if self.offload_activations and self.checkpointing == "none":
-            raise ValueError(
-                "train.offload_activations moves the inputs of checkpointed blocks to CPU memory: "
-                "it needs --checkpointing full or selective"
-            )
         from memfit.optim.registry import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:

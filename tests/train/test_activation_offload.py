@@ -46,10 +46,26 @@ def test_input_gradient_flows_through_offloaded_blocks():
     assert embedding.abs().sum() > 0
 
 
-def test_offload_needs_checkpointing():
+def test_without_checkpointing_the_saved_activations_move_and_parameters_stay():
+    offload = ActivationOffload("cpu", min_bytes=1024)
+    expected, got = gradients("none", None), gradients("none", offload, steps=2)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    moved = {tuple(b.host.shape) for group in offload._groups for b in group}
     model = build_model(CONFIG, attention="sdpa", seed=0)
-    with pytest.raises(ValueError, match="needs --checkpointing full or selective"):
-        apply_activation_checkpointing(model, "none", offload=ActivationOffload("cpu"))
+    shapes = {tuple(p.shape) for p in model.parameters()} | {
+        tuple(p.t().shape) for p in model.parameters() if p.dim() == 2
+    }
+    assert moved and not moved & shapes  # activations, no parameter (nor its transpose)
+    assert all(len(group) > 0 for group in offload._groups)  # every block moved some
+    # and the pool is reused by the second micro-batch: no more buffers than one forward's
+    assert offload.buffers_allocated == sum(len(group) for group in offload._groups)
+
+
+def test_small_saved_tensors_stay():
+    offload = ActivationOffload("cpu")  # 1 MiB: more than any tensor of this model
+    gradients("none", offload, steps=1)
+    assert offload.bytes_offloaded == 0
 
 
 def test_no_offload_without_grad():
@@ -59,16 +75,6 @@ def test_no_offload_without_grad():
     with torch.no_grad():
         model(torch.zeros(1, 5, dtype=torch.long))
     assert offload.bytes_offloaded == 0
-
-
-def test_config_and_planner_refuse_offload_without_checkpointing():
-    from memfit.config import build_config
-    from memfit.planner import Strategy
-
-    with pytest.raises(ValueError, match="needs --checkpointing full or selective"):
-        build_config(flags={"train": {"offload_activations": True}})
-    with pytest.raises(ValueError, match="needs checkpointing"):
-        Strategy(offload_activations=True)
 
 
 def test_planner_counts_two_block_inputs_on_the_gpu():
@@ -88,3 +94,27 @@ def test_planner_counts_two_block_inputs_on_the_gpu():
         == (model.num_layers - 2) * block_input
     )
     assert offloaded.peak_bytes < kept.peak_bytes
+
+
+def test_planner_without_checkpointing_moves_every_layer_but_two():
+    from memfit.models import PRESETS
+    from memfit.planner import Strategy, plan, step_time
+    from memfit.planner.hardware import get_gpu
+    from memfit.planner.memory import layer_activation_bytes
+
+    model, gpu = PRESETS["llama-1b"], get_gpu("h100-sxm")
+    base = Strategy(micro_batch=1, seq_len=8192)
+    kept, offloaded = (
+        plan(model, base),
+        plan(model, Strategy(**{**vars(base), "offload_activations": True})),
+    )
+    per_layer = layer_activation_bytes(model, base)
+    assert offloaded.host_bytes == model.num_layers * per_layer
+    assert (
+        kept.forward_kept_bytes - offloaded.forward_kept_bytes == (model.num_layers - 2) * per_layer
+    )
+    # every activation over PCIe twice a step: more than the step's compute hides
+    assert (
+        step_time(model, Strategy(**{**vars(base), "offload_activations": True}), gpu).total_s
+        > step_time(model, base, gpu).total_s
+    )

@@ -86,8 +86,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--offload-activations",
         action="store_true",
         default=None,
-        help="with --checkpointing full or selective: each block's input goes to pinned CPU "
-        "memory in the forward and comes back one block ahead in the backward",
+        help="each block's input (with --checkpointing full or selective), or else what each "
+        "block saves, goes to pinned CPU memory in the forward and comes back one block ahead "
+        "in the backward",
     )
     p.add_argument(
         "--reduce-dtype", choices=["fp32", "bf16"], help="dtype of the gradient collectives"

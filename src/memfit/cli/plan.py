@@ -373,7 +373,7 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     p.add_argument(
         "--offload-activations",
         action="store_true",
-        help="checkpointed blocks' inputs in pinned CPU memory (needs --checkpointing)",
+        help="activations in pinned CPU memory (with --checkpointing: the block inputs)",
     )
     p.add_argument(
         "--host-cpus",

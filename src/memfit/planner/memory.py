@@ -91,7 +91,8 @@ class Strategy:
     fused_cross_entropy: bool = True
     zero: int = 0
     offload: Literal["none", "optimizer", "params"] = "none"
-    # checkpointed blocks' inputs in pinned CPU memory (`--offload-activations`)
+    # activations in pinned CPU memory (`--offload-activations`): the checkpointed blocks'
+    # inputs, or without checkpointing what the blocks save
     offload_activations: bool = False
     world_size: int = 1
 
@@ -104,8 +105,6 @@ class Strategy:
             )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
-        if self.offload_activations and self.checkpointing == "none":
-            raise ValueError("offload_activations needs checkpointing full or selective")
         check_parallelism(
             zero=self.zero,
             offload=self.offload,
@@ -209,6 +208,18 @@ def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | N
     )
 
 
+def offloaded_bytes_per_layer(model: ModelConfig, strategy: Strategy) -> int:
+    """What activation offload moves of each block per micro-batch: its input with
+    checkpointing, else all it saves (the tensors of at least 1 MiB: nearly all of it at
+    training sizes)."""
+    if not strategy.offload_activations:
+        return 0
+    if strategy.checkpointing == "none":
+        return layer_activation_bytes(model, strategy)
+    c = 4 if strategy.precision == "fp32" else 2
+    return c * strategy.micro_batch * strategy.seq_len * model.hidden_size
+
+
 def _cross_entropy(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:
     """(saved bytes, transient bytes while it runs) of the loss for one micro-batch."""
     s = _sizes(model)
@@ -256,11 +267,11 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     c = 4 if strategy.precision == "fp32" else 2
     outside = c * T * s["h"] + 4 * T + 8 * T  # final norm input, its 1/rms, token ids
     activations = L * per_layer + outside
-    block_input = c * T * s["h"]
-    if strategy.offload_activations:
-        # the block inputs live in pinned CPU memory; on the GPU two at most: one being copied
-        # out (or, in backward, the block's own) and the next one coming back
-        activations -= (L - min(L, 2)) * block_input
+    offloaded = offloaded_bytes_per_layer(model, strategy)
+    if offloaded:
+        # in pinned CPU memory; on the GPU two layers' at most: one being copied out (or, in
+        # backward, the block's own) and the next one coming back
+        activations -= (L - min(L, 2)) * offloaded
     ce_saved, ce_transient = _cross_entropy(model, strategy)
     # (bf16 parameters: autocast has nothing to copy)
     weight_copies = c_low * L * s["P_matmul_layer"] if strategy.master_weights == "fp32" else 0
@@ -337,9 +348,10 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
 
     notes = []
     host = 0
-    if strategy.offload_activations:
-        host += L * block_input
-        notes.append(f"offloaded block inputs take {gib(L * block_input)} of pinned CPU memory")
+    if offloaded:
+        host += L * offloaded
+        what = "block inputs" if strategy.checkpointing != "none" else "activations"
+        notes.append(f"offloaded {what} take {gib(L * offloaded)} of pinned CPU memory")
     if strategy.offload != "none":
         # stage 0 replicates the whole model's states on every rank, the others shard them
         host += states["host"]

@@ -78,8 +78,8 @@ def _search(
     found = []
     # (activation offload after each checkpointing mode alone: at equal predicted speed the
     # one without it ranks first)
-    modes = [("none", False), ("selective", False), ("selective", True), ("full", False)]
-    for checkpointing, offload_activations in [*modes, ("full", True)]:
+    modes = [("none", False), ("none", True), ("selective", False), ("selective", True)]
+    for checkpointing, offload_activations in [*modes, ("full", False), ("full", True)]:
         micro_batch = 1
         while micro_batch <= 64:
             grad_accum = max(1, tokens_per_step // (micro_batch * seq_len))

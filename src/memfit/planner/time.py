@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from memfit.models.config import ModelConfig
 from memfit.optim.registry import get_optimizer
 from memfit.planner.hardware import GPU
-from memfit.planner.memory import Strategy
+from memfit.planner.memory import Strategy, offloaded_bytes_per_layer
 
 PEAK_EFFICIENCY = 0.76
 HALF_EFFICIENCY_WIDTH = 600
@@ -173,12 +173,11 @@ def step_time(
     bus = gpu.interconnect_bytes_per_s * NCCL_BUS_EFFICIENCY
     communication = communication_bytes(model, strategy) / bus * COMMUNICATION_EXPOSED
     if strategy.offload_activations:
-        # each block input out in the forward and back in the backward, on a stream of their
-        # own beside the blocks' compute: only what the compute cannot hide shows (none at
-        # llama-1b, seq 8192, mb 8 on an H200: activation_offload.json)
-        c = 4 if strategy.precision == "fp32" else 2
-        block_inputs = model.num_layers * c * strategy.micro_batch * strategy.seq_len
-        copies = 2 * block_inputs * model.hidden_size * strategy.grad_accum / PCIE_BYTES_PER_S
+        # each block's share out in the forward and back in the backward, on a stream of their
+        # own beside the blocks' compute: only what the compute cannot hide shows (none for
+        # block inputs at llama-1b and llama-3.2-3b, seq 8192: activation_offload.json)
+        moved = model.num_layers * offloaded_bytes_per_layer(model, strategy)
+        copies = 2 * moved * strategy.grad_accum / PCIE_BYTES_PER_S
         communication += max(0.0, copies - compute - recompute)
     return StepTime(
         compute_s=compute,

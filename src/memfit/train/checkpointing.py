@@ -13,8 +13,9 @@ number of backward hooks):
   costly-to-recompute, cheap-to-store part, the reverse of what Korthikanti et al. 2022
   ("Reducing Activation Recomputation in Large Transformer Models") faced before it. With
   `attention="eager"` there is no fused kernel to save and selective behaves as full.
-With `offload` (full or selective), each block's input goes to pinned CPU memory during the
-forward and comes back one block ahead in the backward (memfit.train.offload).
+With `offload`, each block's input (full, selective), or without checkpointing each large tensor
+the block saves, goes to pinned CPU memory during the forward and comes back one block ahead in
+the backward (memfit.train.offload).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def apply_activation_checkpointing(
     model: nn.Module, mode: CheckpointingMode, *, offload: ActivationOffload | None = None
 ) -> nn.Module:
     """Make each block of `model.layers` recompute its activations in backward, in place;
-    `offload`: the block inputs go to CPU memory meanwhile (memfit.train.offload).
+    `offload`: the block inputs (or, with mode none, the blocks' large saved tensors) go to CPU
+    memory meanwhile (memfit.train.offload).
 
     The module tree and state_dict are unchanged (the wrapper replaces the instance's forward),
     so checkpoints load with or without it."""
@@ -94,13 +96,18 @@ def apply_activation_checkpointing(
         raise ValueError(
             f"activation checkpointing mode {mode!r} is not one of none, full, selective"
         )
-    if mode == "none":
-        if offload is not None:
-            raise ValueError(
-                "activation offload moves the inputs of checkpointed blocks: it needs "
-                "--checkpointing full or selective"
-            )
-        return model
     for block in model.layers:
-        block.forward = functools.partial(_checkpointed, block.forward, mode, offload)
+        if mode != "none":
+            block.forward = functools.partial(_checkpointed, block.forward, mode, offload)
+        elif offload is not None:
+            block.forward = functools.partial(_offloaded, block.forward, offload)
     return model
+
+
+def _offloaded(forward, offload: ActivationOffload, *args, **kwargs):
+    """A block without checkpointing whose large saved tensors go to CPU memory."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    pack = functools.partial(offload.pack, offload.begin_block())
+    with torch.autograd.graph.saved_tensors_hooks(pack, offload.unpack):
+        return forward(*args, **kwargs)

@@ -1,10 +1,17 @@
-"""Activation offload: the input each checkpointed block keeps for its backward (all that full
-checkpointing keeps of a block) goes to pinned CPU memory during the forward and comes back one
-block ahead during the backward, both copies on a stream of their own so that they overlap the
-blocks' compute.
+"""Activation offload: what blocks keep for their backward goes to pinned CPU memory during the
+forward and comes back one block ahead during the backward, both copies on a stream of their own
+so that they overlap the blocks' compute.
 
     offload = ActivationOffload(device)
-    apply_activation_checkpointing(model, "full", offload=offload)
+    apply_activation_checkpointing(model, "full", offload=offload)   # the block inputs
+    apply_activation_checkpointing(model, "none", offload=offload)   # every saved tensor of at
+                                                                      # least min_bytes
+
+With checkpointing, a block keeps only its input, and that is what moves. Without it, the
+tensors autograd saves inside each block (a saved-tensor hook) of at least `min_bytes` move,
+except leaves (parameters, buffers, the shared rotary tables) and autocast's copies of
+parameters: every activation of a block, several
+times the block input, so the copies may take longer than the compute (the planner says when).
 
 Forward: block i's input is copied out on the side stream once the compute stream has made it;
 the GPU tensor is freed when the block returns (the allocator keeps its memory from reuse until
@@ -25,7 +32,8 @@ from torch import Tensor
 
 @dataclass(eq=False)
 class Offloaded:
-    """A block input in CPU memory: its buffer, and what the copy back needs."""
+    """A tensor in CPU memory: its buffer, and what the copy back needs. `index`: its block's
+    place in the forward."""
 
     host: Tensor
     requires_grad: bool
@@ -36,14 +44,21 @@ class Offloaded:
     taken: bool = False
 
 
+MIN_BYTES = 2**20
+"""Without checkpointing: saved tensors smaller than this stay on the GPU (norm statistics and
+the like: many small copies would cost more than they free)."""
+
+
 class ActivationOffload:
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *, min_bytes: int = MIN_BYTES) -> None:
         self.device = torch.device(device)
+        self.min_bytes = min_bytes
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._free: dict[tuple, list[Tensor]] = {}  # pinned buffers by (shape, dtype)
         self._returning: list[tuple[torch.cuda.Event | None, Tensor]] = []
         self._blocks: list[Offloaded] = []  # this forward's, in order
+        self._groups: list[list[Offloaded]] = []  # without checkpointing: each block's tensors
         self.buffers_allocated = 0
         """Pinned buffers made so far (they are reused: this stops growing after one step)."""
         self.bytes_offloaded = 0
@@ -55,6 +70,11 @@ class ActivationOffload:
         """Start copying `x` (a block input) to CPU memory; the caller drops its reference."""
         if self._blocks and all(block.taken for block in self._blocks):
             self._blocks = []  # the last forward's backward has taken them all: a new forward
+        block = self._copy_out(x, index=len(self._blocks))
+        self._blocks.append(block)
+        return block
+
+    def _copy_out(self, x: Tensor, *, index: int) -> Offloaded:
         host = self._buffer(x)
         event = None
         if self.cuda:
@@ -66,10 +86,46 @@ class ActivationOffload:
             x.record_stream(self.stream)  # (its memory waits for the copy before reuse)
         else:
             host.copy_(x.detach())
-        block = Offloaded(host, x.requires_grad, len(self._blocks), copied_out=event)
-        self._blocks.append(block)
         self.bytes_offloaded += x.numel() * x.element_size()
-        return block
+        return Offloaded(host, x.requires_grad, index, copied_out=event)
+
+    def begin_block(self) -> int:
+        """Without checkpointing: a block's forward starts; its saved tensors form a group."""
+        if self._groups and all(b.taken for group in self._groups for b in group):
+            self._groups = []
+        self._groups.append([])
+        return len(self._groups) - 1
+
+    def pack(self, group: int, tensor: Tensor):
+        """The saved-tensor hook's pack: a large activation goes out, anything else stays."""
+        if (
+            tensor.device != self.device
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+            or _of_a_parameter(tensor)
+        ):
+            return tensor
+        saved = self._copy_out(tensor, index=group)
+        self._groups[group].append(saved)
+        return saved
+
+    def unpack(self, saved) -> Tensor:
+        """The saved-tensor hook's unpack: the tensor back on the device. The first of a group
+        brings the whole group's in and starts the group before it."""
+        if isinstance(saved, Tensor):
+            return saved
+        if saved.device_copy is None:
+            for block in self._groups[saved.index]:
+                self._copy_in(block)
+            if saved.index > 0:
+                for block in self._groups[saved.index - 1]:
+                    self._copy_in(block)
+        x = saved.device_copy
+        if self.cuda and not saved.taken:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(saved.copied_in)
+            x.record_stream(current)
+        saved.taken = True  # (the handle keeps its copy: a node may unpack it more than once)
+        return x
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -89,7 +145,7 @@ class ActivationOffload:
 
     def _copy_in(self, block: Offloaded) -> None:
         if block.device_copy is not None or block.taken:
-            return
+            return  # (a saved tensor keeps its copy once taken; a block input is handed over)
         host = block.host
         if self.cuda:
             with torch.cuda.stream(self.stream):  # (after its copy out: the same stream)
@@ -123,4 +179,22 @@ class ActivationOffload:
         """CPU memory the pool holds (free and in use)."""
         held = [h for hosts in self._free.values() for h in hosts]
         held += [h for _, h in self._returning] + [b.host for b in self._blocks if not b.taken]
+        held += [b.host for group in self._groups for b in group if b.device_copy is None]
         return sum(h.numel() * h.element_size() for h in {id(h): h for h in held}.values())
+
+
+def _of_a_parameter(tensor: Tensor) -> bool:
+    """A leaf (a parameter, a buffer, or a tensor made outside autograd such as the rotary
+    tables every block shares), a view of one, or autocast's copy of a parameter: the optimizer
+    or the model holds those anyway, or moving them would copy one tensor once per block."""
+    if tensor._base is not None:
+        tensor = tensor._base
+    if tensor.is_leaf:
+        return True
+    node = tensor.grad_fn
+    if node is not None and type(node).__name__ == "ToCopyBackward0":
+        return any(
+            next_node is not None and type(next_node).__name__ == "AccumulateGrad"
+            for next_node, _ in node.next_functions
+        )
+    return False
