@@ -139,6 +139,26 @@ def test_a_matrix_step_is_four_launches_and_a_vector_two(monkeypatch):
         assert len(kernels) == count, (shape, clip, kernels)
 
 
+def step_in_kernels(monkeypatch, optimizer_class, inputs, options):
+    """Step fresh parameters of `inputs` ((start, grads) pairs) through the interpreted kernels,
+    one step per gradient; returns the parameters, the optimizer and the kernels the last step
+    launched."""
+    kernels = []
+    real_launch = ops.launch
+    monkeypatch.setattr(
+        ops, "launch", lambda k, *a, **kw: kernels.append(k) or real_launch(k, *a, **kw)
+    )
+    params = [torch.nn.Parameter(p.clone()) for p, _ in inputs]
+    optimizer = optimizer_class(params, **options)
+    with triton_on_cpu():
+        for step in range(len(inputs[0][1])):
+            kernels.clear()
+            for param, (_, grads) in zip(params, inputs, strict=True):
+                param.grad = grads[step].clone()
+            optimizer.step()
+    return params, optimizer, kernels
+
+
 @needs_interpreter
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_matrices_of_one_shape_step_together_as_each_alone(monkeypatch, options):
@@ -147,19 +167,7 @@ def test_matrices_of_one_shape_step_together_as_each_alone(monkeypatch, options)
     it gets alone in the torch path: its own statistics and its own tensor's RMS(u), RMS(p)."""
     shapes = [(37, 50), (2, 37, 50), (37, 50), (33,), (20, 50)]
     inputs = [fresh_inputs(shape, 3, seed=i) for i, shape in enumerate(shapes)]
-    kernels = []
-    real_launch = ops.launch
-    monkeypatch.setattr(
-        ops, "launch", lambda k, *a, **kw: kernels.append(k) or real_launch(k, *a, **kw)
-    )
-    params = [torch.nn.Parameter(p.clone()) for p, _ in inputs]
-    optimizer = Adafactor(params, **options)
-    with triton_on_cpu():
-        for step in range(3):
-            kernels.clear()
-            for param, (_, grads) in zip(params, inputs, strict=True):
-                param.grad = grads[step].clone()
-            optimizer.step()
+    params, optimizer, kernels = step_in_kernels(monkeypatch, Adafactor, inputs, options)
     clip = math.isfinite(options.get("clip_threshold", 1.0))
     assert len(kernels) == 2 * (3 + clip) + 2  # two sets of matrices, one vector
     for param, (start, grads) in zip(params, inputs, strict=True):

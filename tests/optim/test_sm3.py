@@ -19,6 +19,7 @@ from tests.optim.test_adafactor import (
     assert_within_torch_error,
     fresh_inputs,
     mlp_regression,
+    step_in_kernels,
 )
 from tests.reference import assert_error_within
 
@@ -97,19 +98,7 @@ def test_matrices_of_one_shape_step_together_as_each_alone(monkeypatch, options)
     the torch path: its own accumulators."""
     shapes = [(21, 20), (3, 7, 20), (21, 20), (33,), (5, 20)]
     inputs = [fresh_inputs(shape, 3, seed=i) for i, shape in enumerate(shapes)]
-    kernels = []
-    real_launch = ops.launch
-    monkeypatch.setattr(
-        ops, "launch", lambda k, *a, **kw: kernels.append(k) or real_launch(k, *a, **kw)
-    )
-    params = [torch.nn.Parameter(p.clone()) for p, _ in inputs]
-    optimizer = SM3(params, **options)
-    with triton_on_cpu():
-        for step in range(3):
-            kernels.clear()
-            for param, (_, grads) in zip(params, inputs, strict=True):
-                param.grad = grads[step].clone()
-            optimizer.step()
+    params, optimizer, kernels = step_in_kernels(monkeypatch, SM3, inputs, options)
     assert len(kernels) == 2 * 2 + 1  # two sets of matrices, one vector
     for param, (start, grads) in zip(params, inputs, strict=True):
         want, want_optimizer = run(start, grads, options)

@@ -156,6 +156,15 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# Llama 3.2's RoPE: llama3 scaling of an 8k-token original context (1B and 3B alike)
+LLAMA_3_2_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 PRESETS: dict[str, ModelConfig] = {
     # A CPU demo: learns the built-in synthetic corpus in about two minutes on two cores.
     "tiny": ModelConfig(
@@ -210,13 +219,7 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=8192,
         max_seq_len=131072,
         rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=LLAMA_3_2_ROPE_SCALING,
         tie_embeddings=True,
     ),
     # Llama 3.2 3B: 3.21B parameters, tied embeddings, 8 kv heads of 128, llama3 RoPE scaling.
@@ -230,13 +233,7 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=8192,
         max_seq_len=131072,
         rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=LLAMA_3_2_ROPE_SCALING,
         tie_embeddings=True,
     ),
     "llama-3-8b": ModelConfig(

@@ -38,7 +38,6 @@ class Offloaded:
     host: Tensor
     requires_grad: bool
     index: int
-    copied_out: torch.cuda.Event | None = None
     device_copy: Tensor | None = None  # once the copy in has started
     copied_in: torch.cuda.Event | None = None
     taken: bool = False
@@ -57,8 +56,7 @@ class ActivationOffload:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._free: dict[tuple, list[Tensor]] = {}  # pinned buffers by (shape, dtype)
         self._returning: list[tuple[torch.cuda.Event | None, Tensor]] = []
-        self._blocks: list[Offloaded] = []  # this forward's, in order
-        self._groups: list[list[Offloaded]] = []  # without checkpointing: each block's tensors
+        self._groups: list[list[Offloaded]] = []  # this forward's, a group per block, in order
         self.buffers_allocated = 0
         """Pinned buffers made so far (they are reused: this stops growing after one step)."""
         self.bytes_offloaded = 0
@@ -66,35 +64,18 @@ class ActivationOffload:
 
     # -- forward ----------------------------------------------------------------------------
 
-    def offload(self, x: Tensor) -> Offloaded:
-        """Start copying `x` (a block input) to CPU memory; the caller drops its reference."""
-        if self._blocks and all(block.taken for block in self._blocks):
-            self._blocks = []  # the last forward's backward has taken them all: a new forward
-        block = self._copy_out(x, index=len(self._blocks))
-        self._blocks.append(block)
-        return block
-
-    def _copy_out(self, x: Tensor, *, index: int) -> Offloaded:
-        host = self._buffer(x)
-        event = None
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(x.detach(), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            x.record_stream(self.stream)  # (its memory waits for the copy before reuse)
-        else:
-            host.copy_(x.detach())
-        self.bytes_offloaded += x.numel() * x.element_size()
-        return Offloaded(host, x.requires_grad, index, copied_out=event)
-
     def begin_block(self) -> int:
-        """Without checkpointing: a block's forward starts; its saved tensors form a group."""
-        if self._groups and all(b.taken for group in self._groups for b in group):
+        """A block's forward starts: what it offloads forms a group (the first block of a forward
+        starts afresh once the last forward's backward has taken every group back)."""
+        if self._groups and all(saved.taken for group in self._groups for saved in group):
             self._groups = []
         self._groups.append([])
         return len(self._groups) - 1
+
+    def offload(self, x: Tensor) -> Offloaded:
+        """A checkpointed block's input: start copying it to CPU memory, as its block's group;
+        the caller drops its reference, and `take` hands it back for the recompute."""
+        return self._copy_out(x, self.begin_block())
 
     def pack(self, group: int, tensor: Tensor):
         """The saved-tensor hook's pack: a large activation goes out, anything else stays."""
@@ -104,48 +85,50 @@ class ActivationOffload:
             or _of_a_parameter(tensor)
         ):
             return tensor
-        saved = self._copy_out(tensor, index=group)
+        return self._copy_out(tensor, group)
+
+    def _copy_out(self, x: Tensor, group: int) -> Offloaded:
+        host = self._buffer(x)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(x.detach(), non_blocking=True)
+            x.record_stream(self.stream)  # (its memory waits for the copy before reuse)
+        else:
+            host.copy_(x.detach())
+        self.bytes_offloaded += x.numel() * x.element_size()
+        saved = Offloaded(host, x.requires_grad, group)
         self._groups[group].append(saved)
         return saved
 
+    # -- backward ---------------------------------------------------------------------------
+
     def unpack(self, saved) -> Tensor:
         """The saved-tensor hook's unpack: the tensor back on the device. The first of a group
-        brings the whole group's in and starts the group before it."""
+        brings the whole group in and starts the group before it, whose backward comes next."""
         if isinstance(saved, Tensor):
             return saved
         if saved.device_copy is None:
-            for block in self._groups[saved.index]:
-                self._copy_in(block)
-            if saved.index > 0:
-                for block in self._groups[saved.index - 1]:
-                    self._copy_in(block)
+            for index in (saved.index, saved.index - 1):
+                for other in self._groups[index] if index >= 0 else ():
+                    self._copy_in(other)
         x = saved.device_copy
         if self.cuda and not saved.taken:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(saved.copied_in)
-            x.record_stream(current)
+            x.record_stream(current)  # (made on the side stream, used and freed on this one)
         saved.taken = True  # (the handle keeps its copy: a node may unpack it more than once)
         return x
 
-    # -- backward ---------------------------------------------------------------------------
-
-    def take(self, block: Offloaded) -> Tensor:
-        """The block input back on the device (for its recompute); starts the copy in of the
-        block before it, whose backward comes next."""
-        self._copy_in(block)
-        if block.index > 0 and block.index - 1 < len(self._blocks):
-            self._copy_in(self._blocks[block.index - 1])
-        x = block.device_copy
-        if self.cuda:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(block.copied_in)
-            x.record_stream(current)  # (made on the side stream, used and freed on this one)
-        block.device_copy, block.taken = None, True
-        return x.requires_grad_(block.requires_grad)
+    def take(self, saved: Offloaded) -> Tensor:
+        """A block input back on the device, handed over to its recompute (not kept here)."""
+        x = self.unpack(saved)
+        saved.device_copy = None
+        return x.requires_grad_(saved.requires_grad)
 
     def _copy_in(self, block: Offloaded) -> None:
         if block.device_copy is not None or block.taken:
-            return  # (a saved tensor keeps its copy once taken; a block input is handed over)
+            return
         host = block.host
         if self.cuda:
             with torch.cuda.stream(self.stream):  # (after its copy out: the same stream)
@@ -173,14 +156,6 @@ class ActivationOffload:
             return free.pop()
         self.buffers_allocated += 1
         return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.cuda)
-
-    @property
-    def pooled_bytes(self) -> int:
-        """CPU memory the pool holds (free and in use)."""
-        held = [h for hosts in self._free.values() for h in hosts]
-        held += [h for _, h in self._returning] + [b.host for b in self._blocks if not b.taken]
-        held += [b.host for group in self._groups for b in group if b.device_copy is None]
-        return sum(h.numel() * h.element_size() for h in {id(h): h for h in held}.values())
 
 
 def _of_a_parameter(tensor: Tensor) -> bool:
