@@ -147,18 +147,23 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", type=float, default=[256, float("inf")])
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     rows = []
     for budget in args.budgets:
-        llm = LLM(args.model, max_seq_len=4096, prefix_caching=True, max_step_tokens=budget)
+        llm = LLM(
+            args.model, max_seq_len=4096, prefix_caching=True, max_step_tokens=budget,
+            max_running=args.max_running,
+        )  # fmt: skip
         vocab = llm.config.vocab_size
         run_load(llm, prompts(16, vocab, seed=9), float("inf"), 8)  # (warm-up)
         for rate in [0.0, *args.rates]:
             count = 8 if rate == 0 else args.requests
             batch = prompts(count, vocab, seed=100 + len(rows))
-            row = run_load(llm, batch, rate, args.new_tokens) | {"max_step_tokens": budget}
+            row = run_load(llm, batch, rate, args.new_tokens)
+            row |= {"max_step_tokens": budget, "max_running": args.max_running}
             print(json.dumps(row), flush=True)
             rows.append(row)
         del llm

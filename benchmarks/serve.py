@@ -300,15 +300,16 @@ def peer_server(checkpoint: Path, device: str) -> ChildServer:
     return ChildServer(command, "transformers serve", checkpoint / "peer.log", port)
 
 
-def memfit_cli_server(checkpoint: Path, args, api_servers: int) -> ChildServer:
-    """`memfit serve CHECKPOINT --api-servers N`, as a user starts it."""
+def memfit_cli_server(checkpoint: Path, args, api_servers: int, *flags: str) -> ChildServer:
+    """`memfit serve CHECKPOINT --api-servers N [flags]`, as a user starts it."""
     port = _free_port()
     command = [
         sys.executable, "-m", "memfit.cli.main", "serve", str(checkpoint), "--port", str(port),
         "--device", args.device, "--max-model-len", str(args.max_model_len),
         "--served-model-name", "m", "--max-waiting", "100000", "--api-servers", str(api_servers),
+        *flags,
     ]  # fmt: skip
-    log = checkpoint / f"memfit_serve_{api_servers}.log"
+    log = checkpoint / f"memfit_serve_{api_servers}{'_'.join(flags)}.log"
     return ChildServer(command, "memfit serve", log, port, stop=signal.SIGINT)  # (as Ctrl-C)
 
 
@@ -363,15 +364,24 @@ def rates_part(clients, checkpoint, args) -> list[dict]:
 
 def chunk_part(clients, checkpoint, args) -> list[dict]:
     """The loads with smaller prefill budgets (`memfit serve --max-step-tokens`), each with
-    every --chunk-max-running (`--max-running`: the most sequences a step decodes)."""
+    every --chunk-max-running (`--max-running`: the most sequences a step decodes); with
+    --chunk-api-servers N > 1, `memfit serve --api-servers N` started from the command line."""
     rows = []
     configs = [(b, r) for b in args.chunk_tokens for r in args.chunk_max_running]
     for i, (budget, running) in enumerate(configs):
-        with MemfitServer(checkpoint, args, max_step_tokens=budget, max_running=running) as server:
+        if args.chunk_api_servers > 1:
+            flags = ("--max-step-tokens", str(budget), "--max-running", str(running))
+            server = memfit_cli_server(checkpoint, args, args.chunk_api_servers, *flags)
+        else:
+            server = MemfitServer(checkpoint, args, max_step_tokens=budget, max_running=running)
+        with server:
             warm_up(clients, server.url, "m", args)
             label, seed = f"budget {budget}, max running {running}", 200 + 10 * i
             loads = load_rows(clients, server, "m", args, args.chunk_rates, label, seed=seed)
-        rows += [row | {"max_step_tokens": budget, "max_running": running} for row in loads]
+        extra = {"max_step_tokens": budget, "max_running": running}
+        if args.chunk_api_servers > 1:
+            extra["api_servers"] = args.chunk_api_servers
+        rows += [row | extra for row in loads]
     return rows
 
 
@@ -494,6 +504,7 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=[512, 1024])
     parser.add_argument("--chunk-rates", nargs="+", type=float, default=[256, float("inf")])
     parser.add_argument("--chunk-max-running", nargs="+", type=int, default=[256])
+    parser.add_argument("--chunk-api-servers", type=int, default=1)
     parser.add_argument("--stream-intervals", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--api-servers", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--api-rates", nargs="+", type=float, default=[256, float("inf")])

@@ -22,7 +22,8 @@ def gradients(mode: str, offload: ActivationOffload | None, steps: int = 2) -> d
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):  # (accumulated: each micro-batch's forward, then its backward)
         tokens = torch.randint(0, CONFIG.vocab_size, (2, 33), generator=generator)
-        model(tokens, tokens).backward()
+        loss = model(tokens, tokens)  # (the last one's graph is alive meanwhile, as in training)
+        loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -46,20 +47,76 @@ def test_input_gradient_flows_through_offloaded_blocks():
     assert embedding.abs().sum() > 0
 
 
+def moved_shapes(offload: ActivationOffload) -> list:
+    """Record the shape of each tensor `offload` copies out, by block."""
+    moved, copy_out = [], offload._copy_out
+
+    def spy(x, group):
+        moved.append((group, tuple(x.shape)))
+        return copy_out(x, group)
+
+    offload._copy_out = spy
+    return moved
+
+
 def test_without_checkpointing_the_saved_activations_move_and_parameters_stay():
     offload = ActivationOffload("cpu", min_bytes=1024)
+    moved = moved_shapes(offload)
     expected, got = gradients("none", None), gradients("none", offload, steps=2)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
-    moved = {tuple(b.host.shape) for group in offload._groups for b in group}
     model = build_model(CONFIG, attention="sdpa", seed=0)
     shapes = {tuple(p.shape) for p in model.parameters()} | {
         tuple(p.t().shape) for p in model.parameters() if p.dim() == 2
     }
-    assert moved and not moved & shapes  # activations, no parameter (nor its transpose)
-    assert all(len(group) > 0 for group in offload._groups)  # every block moved some
-    # and the pool is reused by the second micro-batch: no more buffers than one forward's
-    assert offload.buffers_allocated == sum(len(group) for group in offload._groups)
+    assert moved and not {shape for _, shape in moved} & shapes  # activations, no parameter
+    assert {group for group, _ in moved} == set(range(CONFIG.num_layers))  # every block's
+    # the pool is reused by the second micro-batch: no more buffers than one forward's, and all
+    # are back in it once the backward has used them
+    assert offload.buffers_allocated == len(moved) // 2
+    assert sum(len(free) for free in offload._free.values()) == offload.buffers_allocated
+
+
+class _Square(torch.autograd.Function):
+    """A fused op's shape: it saves what it makes inside (a leaf to autograd, no grad_fn)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * x
+        ctx.save_for_backward(x, y)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * 2 * x + 0 * y
+
+
+def test_what_a_fused_op_saves_moves_and_the_blocks_shared_inputs_stay():
+    from memfit.train.checkpointing import offload_saved_tensors
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 32)
+
+        def forward(self, x, table):
+            return _Square.apply(self.linear(x)) * table
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(Block() for _ in range(2))
+    offload = ActivationOffload("cpu", min_bytes=1)
+    moved = moved_shapes(offload)
+    offload_saved_tensors(model, offload)
+    x = torch.randn(4, 32, requires_grad=True) * 1.0  # (as an embedding's output: no leaf)
+    table = torch.randn(4, 32)
+    for block in model.layers:
+        x = block(x, table)
+    x.sum().backward()
+    # per block: the linear's input, the square's input and what it made inside; not the weight,
+    # nor the table both blocks share (the product saves it for the square's gradient)
+    assert [group for group, _ in moved] == [0, 0, 0, 1, 1, 1]
+    assert offload.bytes_offloaded == 6 * 4 * 32 * 4
 
 
 def test_small_saved_tensors_stay():
@@ -118,3 +175,33 @@ def test_planner_without_checkpointing_moves_every_layer_but_two():
         step_time(model, Strategy(**{**vars(base), "offload_activations": True}), gpu).total_s
         > step_time(model, base, gpu).total_s
     )
+
+
+class _SavesTransposed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.t() * 1)  # (a transposed tensor of its own, as compiled code has)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (xt,) = ctx.saved_tensors
+        assert xt.stride() == (1, xt.shape[0])  # (a compiled backward checks its strides)
+        return grad * 2
+
+
+def test_a_saved_tensor_comes_back_with_its_strides():
+    from memfit.train.checkpointing import offload_saved_tensors
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return _SavesTransposed.apply(x)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block()])
+    offload = ActivationOffload("cpu", min_bytes=1)
+    offload_saved_tensors(model, offload)
+    x = torch.randn(4, 32, requires_grad=True)
+    model.layers[0](x).sum().backward()
+    assert offload.bytes_offloaded == 4 * 32 * 4
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))

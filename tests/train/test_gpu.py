@@ -113,11 +113,12 @@ def test_compiled_blocks_match_eager(tmp_path, checkpointing):
         assert compiled == pytest.approx(eager, rel=2e-2)
 
 
-@pytest.mark.parametrize("mode", ["full", "none"])
-def test_activation_offload_on_cuda(mode):
+@pytest.mark.parametrize("mode,compiled", [("full", False), ("none", False), ("none", True)])
+def test_activation_offload_on_cuda(mode, compiled):
     """Activation offload against the same checkpointing mode without it: the gradients bit for
     bit, and less memory held after the forward (full: all but two block inputs; none: the
-    blocks' saved activations)."""
+    blocks' saved activations, also what the fused kernels and compiled blocks save)."""
+    from memfit.distributed.parallelize import parallelize
     from memfit.train.offload import ActivationOffload
 
     config = ModelConfig(
@@ -129,7 +130,10 @@ def test_activation_offload_on_cuda(mode):
     held, grads, pools = {}, {}, {}
     for name, offload in (("kept", None), ("offloaded", ActivationOffload("cuda"))):
         model = build_model(config, device="cuda", seed=0)
-        apply_activation_checkpointing(model, mode, offload=offload)
+        parallelize(
+            model, checkpointing=mode, compile=compiled, zero=0, param_groups=[],
+            param_dtype=torch.float32, offload_activations=offload,
+        )  # fmt: skip
         for _ in range(2):  # (the second forward reuses the pinned buffers)
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()

@@ -1,8 +1,11 @@
 """The techniques the engine applies to a plain model, in one documented order (torchtitan's
 `parallelize_llama` habit):
 
-    1. activation checkpointing   each block recomputes its activations in backward
+    1. activation checkpointing   each block recomputes its activations in backward (with
+                                  activation offload: its input goes to CPU memory)
     2. torch.compile              each block's forward (not its call: module hooks stay outside)
+       activation offload         without checkpointing: saved-tensor hooks around the compiled
+                                  forward move the block's large saved tensors to CPU memory
     3. parameter sharding         ZeRO-3: module hooks around each block's call gather and
                                   release its parameters (distributed.sharding)
 
@@ -20,7 +23,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from memfit.distributed.sharding import ShardedParameters, shard_parameters
-from memfit.train.checkpointing import CheckpointingMode, apply_activation_checkpointing
+from memfit.train.checkpointing import (
+    CheckpointingMode,
+    apply_activation_checkpointing,
+    offload_saved_tensors,
+)
 from memfit.train.offload import ActivationOffload
 
 
@@ -57,9 +64,14 @@ def parallelize(
 ) -> ShardedParameters | None:
     """Apply the techniques to `model` in place, in the order of the module docstring. Returns
     the ZeRO-3 sharding (for the optimizer side), or None below stage 3."""
-    apply_activation_checkpointing(model, checkpointing, offload=offload_activations)
+    offload_saved = offload_activations if checkpointing == "none" else None
+    apply_activation_checkpointing(
+        model, checkpointing, offload=None if offload_saved else offload_activations
+    )
     if compile:
         apply_compile(model)
+    if offload_saved is not None:  # (around the compiled forward: memfit.train.checkpointing)
+        offload_saved_tensors(model, offload_saved)
     if zero != 3:
         return None
     # each block is gathered on its own; the rest (embedding, final norm, output) with the model,

@@ -99,15 +99,29 @@ def apply_activation_checkpointing(
     for block in model.layers:
         if mode != "none":
             block.forward = functools.partial(_checkpointed, block.forward, mode, offload)
-        elif offload is not None:
-            block.forward = functools.partial(_offloaded, block.forward, offload)
+    if mode == "none" and offload is not None:
+        offload_saved_tensors(model, offload)
     return model
 
 
-def _offloaded(forward, offload: ActivationOffload, *args, **kwargs):
-    """A block without checkpointing whose large saved tensors go to CPU memory."""
+def offload_saved_tensors(model: nn.Module, offload: ActivationOffload) -> nn.Module:
+    """Without checkpointing: each block's large saved tensors go to CPU memory (a saved-tensor
+    hook around the block's forward). Apply it after torch.compile: the hooks then act on the
+    compiled block's saved tensors at run time (inside a compiled frame they would be traced
+    away)."""
+    for block in model.layers:
+        block.forward = functools.partial(_offloaded, block, block.forward, offload)
+    return model
+
+
+def _offloaded(block: nn.Module, forward, offload: ActivationOffload, *args, **kwargs):
+    """A block without checkpointing whose large saved tensors go to CPU memory; its parameters,
+    buffers and the arguments after its input (rotary tables and the like, which every block
+    shares) stay."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    pack = functools.partial(offload.pack, offload.begin_block())
+    shared = [*block.parameters(), *block.buffers(), *args[1:], *kwargs.values()]
+    keep = {t.untyped_storage().data_ptr() for t in shared if isinstance(t, torch.Tensor)}
+    pack = functools.partial(offload.pack, offload.begin_block(), keep)
     with torch.autograd.graph.saved_tensors_hooks(pack, offload.unpack):
         return forward(*args, **kwargs)

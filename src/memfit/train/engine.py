@@ -644,6 +644,13 @@ class Trainer:
             while self.step < self.config.train.steps:
                 metrics = self.train_step()
                 history.append(metrics)
+                if len(history) == 1 and self.activation_offload is not None:
+                    offload = self.activation_offload
+                    logger.info(
+                        "activation offload: %.2f GiB to pinned CPU memory in step %d (a pool "
+                        "of %d buffers, %.2f GiB)", offload.bytes_offloaded / 2**30, self.step,
+                        offload.buffers_allocated, offload.pinned_bytes / 2**30,
+                    )  # fmt: skip
                 metrics_file.write(metrics.to_json() + "\n")
                 metrics_file.flush()
                 if on_step is not None:

@@ -18,13 +18,15 @@ the GPU tensor is freed when the block returns (the allocator keeps its memory f
 the copy is done). Backward runs the blocks in reverse: block i's recompute takes its input
 back, waiting for its copy in if it is not there yet, and starts the copy in of block i-1, which
 overlaps block i's recompute and backward. So about two block inputs are on the GPU at a time
-instead of one per layer. The pinned buffers go back to a pool once their copy in is done and
-serve the next micro-batch: none is allocated per step once the first has run.
+instead of one per layer. A pinned buffer goes back to a pool once its copy in is queued (or
+when autograd drops a handle never taken back) and serves the next micro-batch: none is
+allocated per step once the first has run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,6 +41,7 @@ class Offloaded:
     requires_grad: bool
     index: int
     device_copy: Tensor | None = None  # once the copy in has started
+    pooled: list[Tensor] = field(default_factory=list)  # the buffer, until it is given back
     copied_in: torch.cuda.Event | None = None
     taken: bool = False
 
@@ -51,14 +54,18 @@ the like: many small copies would cost more than they free)."""
 class ActivationOffload:
     def __init__(self, device: torch.device | str, *, min_bytes: int = MIN_BYTES) -> None:
         self.device = torch.device(device)
-        self.min_bytes = min_bytes
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # ("cuda" is not equal to tensors' "cuda:0")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.min_bytes = min_bytes
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._free: dict[tuple, list[Tensor]] = {}  # pinned buffers by (shape, dtype)
-        self._returning: list[tuple[torch.cuda.Event | None, Tensor]] = []
-        self._groups: list[list[Offloaded]] = []  # this forward's, a group per block, in order
+        self._free: dict[tuple, list[Tensor]] = {}  # pinned buffers by (shape, strides, dtype)
+        # this forward's handles, a group per block, in order (weak: autograd owns them)
+        self._groups: list[list[weakref.ref[Offloaded]]] = []
         self.buffers_allocated = 0
         """Pinned buffers made so far (they are reused: this stops growing after one step)."""
+        self.pinned_bytes = 0
+        """Bytes of those buffers."""
         self.bytes_offloaded = 0
         """Bytes copied out so far."""
 
@@ -67,7 +74,7 @@ class ActivationOffload:
     def begin_block(self) -> int:
         """A block's forward starts: what it offloads forms a group (the first block of a forward
         starts afresh once the last forward's backward has taken every group back)."""
-        if self._groups and all(saved.taken for group in self._groups for saved in group):
+        if all(saved is None or saved.taken for saved in self._saved(range(len(self._groups)))):
             self._groups = []
         self._groups.append([])
         return len(self._groups) - 1
@@ -77,11 +84,14 @@ class ActivationOffload:
         the caller drops its reference, and `take` hands it back for the recompute."""
         return self._copy_out(x, self.begin_block())
 
-    def pack(self, group: int, tensor: Tensor):
-        """The saved-tensor hook's pack: a large activation goes out, anything else stays."""
+    def pack(self, group: int, keep: set[int], tensor: Tensor):
+        """The saved-tensor hook's pack: a large activation goes out; a small tensor, a tensor
+        whose storage is in `keep` (its block's parameters and shared inputs) and a parameter
+        stay."""
         if (
             tensor.device != self.device
             or tensor.numel() * tensor.element_size() < self.min_bytes
+            or tensor.untyped_storage().data_ptr() in keep
             or _of_a_parameter(tensor)
         ):
             return tensor
@@ -97,9 +107,23 @@ class ActivationOffload:
         else:
             host.copy_(x.detach())
         self.bytes_offloaded += x.numel() * x.element_size()
-        saved = Offloaded(host, x.requires_grad, group)
-        self._groups[group].append(saved)
+        saved = Offloaded(host, x.requires_grad, group, pooled=[host])
+        self._groups[group].append(weakref.ref(saved))
+        # the buffer goes back to the pool once its copy in has been queued, or with the handle
+        # if that never comes (a forward without backward)
+        weakref.finalize(saved, self._give_back, saved.pooled)
         return saved
+
+    def _give_back(self, pooled: list[Tensor]) -> None:
+        # (a copy out into it later is ordered after its copy in: both on the side stream)
+        if pooled:
+            host = pooled.pop()
+            self._free.setdefault(_layout(host), []).append(host)
+
+    def _saved(self, groups) -> list[Offloaded | None]:
+        """The handles of these groups (None: dropped)."""
+        known = [self._groups[i] for i in groups if 0 <= i < len(self._groups)]
+        return [ref() for group in known for ref in group]
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -109,8 +133,8 @@ class ActivationOffload:
         if isinstance(saved, Tensor):
             return saved
         if saved.device_copy is None:
-            for index in (saved.index, saved.index - 1):
-                for other in self._groups[index] if index >= 0 else ():
+            for other in self._saved((saved.index, saved.index - 1)):
+                if other is not None:
                     self._copy_in(other)
         x = saved.device_copy
         if self.cuda and not saved.taken:
@@ -132,40 +156,45 @@ class ActivationOffload:
         host = block.host
         if self.cuda:
             with torch.cuda.stream(self.stream):  # (after its copy out: the same stream)
-                x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                x = torch.empty_strided(
+                    host.shape, host.stride(), dtype=host.dtype, device=self.device
+                )
                 x.copy_(host, non_blocking=True)
                 block.copied_in = torch.cuda.Event()
                 block.copied_in.record(self.stream)
         else:
             x = host.clone()
         block.device_copy = x
-        self._returning.append((block.copied_in, host))
+        self._give_back(block.pooled)
 
     # -- the pinned pool ----------------------------------------------------------------------
 
     def _buffer(self, like: Tensor) -> Tensor:
-        still = []
-        for event, host in self._returning:  # buffers whose copy in is done are free again
-            if event is None or event.query():
-                self._free.setdefault((tuple(host.shape), host.dtype), []).append(host)
-            else:
-                still.append((event, host))
-        self._returning = still
-        free = self._free.get((tuple(like.shape), like.dtype))
+        free = self._free.get(_layout(like))
         if free:
             return free.pop()
+        # its strides too: a compiled block's backward expects each saved tensor's (a transposed
+        # view comes back transposed)
+        host = torch.empty_strided(
+            like.shape, like.stride(), dtype=like.dtype, device="cpu", pin_memory=self.cuda
+        )
         self.buffers_allocated += 1
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.cuda)
+        self.pinned_bytes += host.untyped_storage().nbytes()
+        return host
+
+
+def _layout(x: Tensor) -> tuple:
+    return tuple(x.shape), x.stride(), x.dtype
 
 
 def _of_a_parameter(tensor: Tensor) -> bool:
-    """A leaf (a parameter, a buffer, or a tensor made outside autograd such as the rotary
-    tables every block shares), a view of one, or autocast's copy of a parameter: the optimizer
-    or the model holds those anyway, or moving them would copy one tensor once per block."""
+    """A parameter (a leaf that requires grad), a view of one, or autocast's copy of one: the
+    optimizer holds those anyway. (A leaf that needs no gradient may be an activation: what a
+    fused kernel or a compiled block makes inside its autograd.Function and saves.)"""
     if tensor._base is not None:
         tensor = tensor._base
     if tensor.is_leaf:
-        return True
+        return tensor.requires_grad
     node = tensor.grad_fn
     if node is not None and type(node).__name__ == "ToCopyBackward0":
         return any(

@@ -367,8 +367,11 @@ def _chunk_kernel(
 # Decode, per padded head dim: (BLOCK_N, num_warps, num_stages), from a sweep on an H100 (bf16,
 # triton 3.6; `benchmarks/inference.py --sweep`): 97-99% of the copy bandwidth at B=64 L=4096
 # (D=128) and 95% at B=128 L=2048 (D=64). Chunk: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N,
-# num_warps, num_stages), the best of a sweep of 2048 new tokens over prefixes of 0-30k.
-DECODE_CONFIGS = {64: (32, 2, 3), 128: (64, 4, 3)}
+# num_warps, num_stages), the best of a sweep of 2048 new tokens over prefixes of 0-30k. D=64
+# tiles of 64 keys since an H200 sweep (scratch of 2026-11-26) found them never slower: 64
+# sequences of 100-600 keys 28.4 -> 22.2 us, 8 of 4096 41.0 -> 32.3 us, 128 of 2048 137.7 ->
+# 133.7 us.
+DECODE_CONFIGS = {64: (64, 2, 3), 128: (64, 4, 3)}
 CHUNK_CONFIG = (128, 32, 4, 3)
 _INTERPRET_BLOCK_N = 16
 
@@ -380,13 +383,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+PROGRAMS_PER_SM = 2
+
+
 def decode_splits(num_seqs: int, heads_kv: int, max_seq_len: int, device: torch.device) -> int:
-    """How many ranges to cut each sequence's context into: enough programs for two per SM
-    (four when a handful of programs would otherwise run: at batch 1 each range is short and the
-    extra programs hide the memory latency; H100 sweep), each range at least 256 keys (a shorter
-    one costs more in the merge than it saves)."""
+    """How many ranges to cut each sequence's context into: enough programs for PROGRAMS_PER_SM
+    per SM (four when a handful of programs would otherwise run: at batch 1 each range is short
+    and the extra programs hide the memory latency; H100 sweep), each range at least 256 keys (a
+    shorter one costs more in the merge than it saves)."""
     programs, sms = num_seqs * heads_kv, _num_sms(device)
-    wanted = -(-(4 if 8 * programs <= sms else 2) * sms // programs)
+    wanted = -(-(4 if 8 * programs <= sms else PROGRAMS_PER_SM) * sms // programs)
     return max(1, min(wanted, -(-max_seq_len // 256), 128))
 
 
