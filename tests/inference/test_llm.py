@@ -76,6 +76,11 @@ def test_bad_requests_fail_before_anything_runs(tmp_path):
         llm.generate([[1, 2]], SamplingParams(stop=["x"]))
     with pytest.raises(FileNotFoundError, match="no checkpoint found"):
         LLM(tmp_path / "absent", device="cpu")
+    # (refused before the checkpoint is read: the absent one would say so otherwise)
+    with pytest.raises(ValueError, match="max_seq_len must be a positive integer, got -5"):
+        LLM(tmp_path / "absent", device="cpu", max_seq_len=-5)
+    with pytest.raises(ValueError, match="max_running must be a positive integer, got 0"):
+        LLM(tmp_path / "absent", device="cpu", max_running=0)
 
 
 def test_warm_up_leaves_a_clean_engine(tmp_path):

@@ -148,6 +148,16 @@ class LLM(Texts):
         tokens than the model has embeddings."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        for name, value in (
+            ("max_seq_len", max_seq_len),
+            ("block_size", block_size),
+            ("max_step_tokens", max_step_tokens),
+            ("max_running", max_running),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or ("bf16" if self.device.type == "cuda" else "fp32")
         if dtype not in _DTYPES:
