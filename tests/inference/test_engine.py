@@ -188,13 +188,86 @@ def test_an_engine_with_step_graphs_matches_full_recompute(model):
     )
     ran = []
     run = engine.step_graphs.run
-    engine.step_graphs.run = lambda ids, tokens: ran.append(len(ids)) or run(ids, tokens)
+    engine.step_graphs.run = lambda ids, *rest: ran.append(len(ids)) or run(ids, *rest)
     for prompt in batch:
         engine.add(prompt, SamplingParams(max_tokens=6))
     outputs = engine.run()
     for prompt, got in zip(batch, outputs, strict=True):
         assert got == full_recompute(model, prompt, 6)
     assert ran and engine.preemptions > 0 and cache.prefix_hits > 0
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_asynchronous_mixed_steps_match_full_recompute(model, prefix_caching):
+    """Mixed steps each queued before the host reads the tokens of the one before (step graphs
+    run eagerly here): requests arriving between steps, chunked prompts beside decodes, a stop
+    token (its request's queued row is discarded), an abort while a token is in flight, and a
+    shared prefix: the greedy outputs of full recompute, every block back in the pool."""
+    from memfit.inference.cuda_graphs import StepGraphs
+
+    batch = prompts((3, 9, 5, 11, 7, 13))
+    batch[5][:8] = batch[1][:8]  # two full blocks shared with request 1
+    lengths = (6, 13, 9, 11, 8, 5)
+    expected = [full_recompute(model, p, n) for p, n in zip(batch, lengths, strict=True)]
+    stop = expected[2][3]
+    cut = expected[2].index(stop)
+    cache = PagedKVCache(
+        model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=8, max_running=4, prefix_caching=prefix_caching)
+    engine.step_graphs = StepGraphs(
+        model, cache, max_tokens=8, max_seqs=4, max_seq_len=engine.max_context
+    )
+    asynchronous = []
+    step_async = engine._step_async
+    engine._step_async = lambda *args: asynchronous.append(1) or step_async(*args)
+    arrivals = {0: [0, 1], 2: [2, 3], 5: [4], 9: [5]}  # step -> requests added before it
+    aborted = None
+    for step in range(200):
+        for i in arrivals.get(step, []):
+            params = SamplingParams(max_tokens=lengths[i], stop_token_ids=[stop] if i == 2 else [])
+            engine.add(batch[i], params)
+        if step == 7:  # request 3 has a token in flight: the client goes away
+            assert engine.requests[3].drawn is not None
+            engine.abort(3)
+            aborted = list(engine.requests[3].output)
+        if not (engine.waiting or engine.running) and step > max(arrivals):
+            break
+        engine.step()
+    outputs = engine.run()  # (reads what is still in flight)
+    for i in (0, 1, 4, 5):
+        assert outputs[i] == expected[i], i
+    assert outputs[2] == expected[2][:cut] and engine.requests[2].finish_reason == "stop"
+    assert engine.requests[3].finish_reason == "abort" and outputs[3] == aborted
+    assert aborted == expected[3][: len(aborted)]
+    assert len(asynchronous) > 10 and engine._in_flight is None
+    assert (cache.prefix_hits > 0) == prefix_caching
+    assert cache.pool.num_free == cache.pool.num_blocks
+    assert not cache.tables
+
+
+def test_a_sampled_request_turns_asynchronous_steps_off(model):
+    """A request that needs the sampler (temperature > 0): the step in flight is read first,
+    and the steps after it wait for their tokens as before."""
+    from memfit.inference.cuda_graphs import StepGraphs
+
+    batch = prompts((5, 9))
+    cache = PagedKVCache(
+        model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu"
+    )
+    engine = Engine(model, cache, max_step_tokens=8, max_running=4, seed=0)
+    engine.step_graphs = StepGraphs(
+        model, cache, max_tokens=8, max_seqs=4, max_seq_len=engine.max_context
+    )
+    engine.add(batch[0], SamplingParams(max_tokens=10))
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None
+    engine.add(batch[1], SamplingParams(max_tokens=4, temperature=0.9, seed=3))
+    engine.step()  # reads the step in flight, queues nothing
+    assert engine._in_flight is None and engine.requests[0].drawn is None
+    outputs = engine.run()
+    assert outputs[0] == full_recompute(model, batch[0], 10) and len(outputs[1]) == 4
 
 
 @pytest.mark.parametrize("num_blocks", [40, 9])

@@ -271,14 +271,19 @@ class StepGraphs:
         self.seq_buckets = sorted({s for s in (4, 16, 64) if s < max_seqs} | {max_seqs})
         device = cache.device
         self.width = width = -(-max_seq_len // cache.block_size)
-        # per token: token, position, slot, row of the block table; per sequence: length, where
-        # its tokens begin (one more), the row of its last token (int64 rows of one buffer)
-        self._tokens = torch.zeros(4, max_tokens, dtype=torch.long, device=device)
+        # per token: token, position, slot, row of the block table, and the row of the last
+        # step whose drawn token it is (-1: the token given); per sequence: length, where its
+        # tokens begin (one more), the row of its last token (int64 rows of one buffer)
+        self._tokens = torch.zeros(5, max_tokens, dtype=torch.long, device=device)
+        self.sampled = torch.zeros(max_seqs, dtype=torch.long, device=device)
+        """Each sequence's argmax of the last step (where the next step reads drawn tokens)."""
         self._seqs = torch.zeros(3, max_seqs + 1, dtype=torch.long, device=device)
         self.block_table = torch.zeros(max_seqs, width, dtype=torch.int32, device=device)
         # (the kernels take int32 lengths and starts: converted on the device, in the graph)
         pinned = {"pin_memory": device.type == "cuda"}
-        self._tokens_host = torch.zeros(4, max_tokens, dtype=torch.long, **pinned)
+        self._tokens_host = torch.zeros(5, max_tokens, dtype=torch.long, **pinned)
+        self._sampled_host = torch.zeros(2, max_seqs, dtype=torch.long, **pinned)
+        self._flip = 0
         self._seqs_host = torch.zeros(3, max_seqs + 1, dtype=torch.long, **pinned)
         self._table_host = torch.zeros(max_seqs * width, dtype=torch.int32, **pinned)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -316,11 +321,16 @@ class StepGraphs:
             max_query_len=tokens,
             max_seq_len=self.max_seq_len,
         )
+        # a drawn token: the last step's argmax of its sequence, read on the device
+        source = rows[4, :tokens]
+        drawn = self.sampled.index_select(0, source.clamp(min=0))
+        ids = torch.where(source >= 0, drawn, rows[0, :tokens])
         with programmatic_launch():
             logits = self.model(
-                rows[0:1, :tokens], metadata=metadata, kv_cache=self.cache,
+                ids[None], metadata=metadata, kv_cache=self.cache,
                 logits_at=self._seqs[2, :seqs],
             )  # fmt: skip
+        self.sampled[:seqs].copy_(logits[0].argmax(dim=-1))
         return logits[0]  # (seqs, vocab)
 
     @torch.inference_mode()
@@ -348,18 +358,41 @@ class StepGraphs:
         torch.cuda.synchronize(device)
 
     @torch.inference_mode()
-    def run(self, seq_ids: list[int], tokens: list[list[int]]) -> Tensor:
+    def run(
+        self, seq_ids: list[int], tokens: list[list[int]], drawn: list[int] | None = None
+    ) -> Tensor:
         """One step: `tokens[i]` (the new tokens of seq_ids[i]) through the model, their slots
         reserved here; the logits of each sequence's last token (len(seq_ids), vocab), a view
-        of the graph's output valid until the next replay."""
+        of the graph's output valid until the next replay, and their argmax in `sampled`.
+        drawn[i] >= 0: the last of tokens[i] is not known on the host yet; it is the argmax that
+        the step before left for its row drawn[i] (the next step is queued without waiting)."""
         bucket = self.bucket(sum(map(len, tokens)), len(seq_ids))
-        self._stage(seq_ids, tokens, bucket)
+        self._stage(seq_ids, tokens, bucket, drawn)
         if bucket not in self.graphs:  # not captured (a CPU): the same step, run eagerly
             return self._forward(bucket)[: len(seq_ids)]
         self.graphs[bucket].replay()
         return self.logits[bucket][: len(seq_ids)]
 
-    def _stage(self, seq_ids: list[int], tokens: list[list[int]], bucket) -> None:
+    @torch.inference_mode()
+    def send_sampled(self, count: int) -> Callable[[], list[int]]:
+        """Copy the last step's argmax of its first `count` rows to the host without waiting;
+        returns the function that waits for the copy and gives them."""
+        host = self._sampled_host[self._flip, :count]
+        self._flip ^= 1
+        host.copy_(self.sampled[:count], non_blocking=True)
+        event = None
+        if self._copied is not None:
+            event = torch.cuda.Event()
+            event.record()
+
+        def wait() -> list[int]:
+            if event is not None:
+                event.synchronize()
+            return host.tolist()
+
+        return wait
+
+    def _stage(self, seq_ids, tokens: list[list[int]], bucket, drawn=None) -> None:
         """Fill the inputs of `bucket`: the sequences' tokens (their slots reserved in the
         cache), then padding. Three host-to-device copies, from pinned memory."""
         cache, size = self.cache, self.cache.block_size
@@ -376,11 +409,14 @@ class StepGraphs:
             rows[1, at:end] = range(start, start + count)
             rows[2, at:end] = slots
             rows[3, at:end] = row
+            rows[4, at:end] = -1
+            if drawn is not None and drawn[row] >= 0:
+                rows[0, end - 1], rows[4, end - 1] = 0, drawn[row]
             seqs[:, row] = (start + count, at, end - 1)
             at = end
         batch = len(seq_ids)
         pad_row = min(batch, bucket_seqs - 1)  # a padding sequence's, where there is one
-        rows[:, at:bucket_tokens] = ((0,), (0,), (cache.scratch_block * size,), (pad_row,))
+        rows[:, at:bucket_tokens] = ((0,), (0,), (cache.scratch_block * size,), (pad_row,), (-1,))
         seqs[:, batch:bucket_seqs] = ((1,), (at,), (0,))
         seqs[1, bucket_seqs] = at
         tables = [cache.tables[s] for s in seq_ids]  # (append may have grown them)

@@ -103,20 +103,32 @@ class Request:
     starts after the leader's prompt is computed, on its cached blocks."""
     prompt_keys: list[int] | None = None
     """With prefix caching: the keys of the prompt's full blocks (computed once)."""
+    drawn: tuple[int, int] | None = None
+    """(step, row): its next token was drawn on the device in that step and the host has not
+    read it yet (an asynchronous step, `Engine._step_async`)."""
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        """Its tokens, a drawn one not yet read included."""
+        return len(self.prompt) + len(self.output) + (self.drawn is not None)
 
     def pending(self, limit: int) -> list[int]:
         """Up to `limit` of the tokens not yet in the cache (without copying the whole
         sequence: a decode is the last output token)."""
         start, prompt = self.computed, len(self.prompt)
         if start >= prompt:
-            return self.output[start - prompt : start - prompt + limit]
-        head = self.prompt[start : start + limit]
-        rest = limit - len(head)
-        return head + self.output[:rest] if rest > 0 else head
+            known = self.output[start - prompt : start - prompt + limit]
+        else:
+            head = self.prompt[start : start + limit]
+            rest = limit - len(head)
+            known = head + self.output[:rest] if rest > 0 else head
+        if self.drawn is not None and len(known) < limit:
+            return [*known, DRAWN]  # (the last: the token drawn on the device)
+        return known
+
+
+DRAWN = -1
+"""In `Request.pending`: the token drawn on the device and not yet read by the host."""
 
 
 class Engine:
@@ -146,6 +158,11 @@ class Engine:
         self._next_id = 0
         self.pipeline_steps = 32
         """The most decode steps one `step()` may pipeline."""
+        self.async_steps = True
+        """Queue a step of the captured step graphs before reading the tokens of the one before
+        it, when every request decodes greedily (`_step_async`)."""
+        self._in_flight: tuple | None = None  # (step, sampling rows, wait for tokens, start)
+        self._not_plain = 0  # unfinished requests that need the sampler
         self.on_step: Callable[[], bool] | None = None
         """Called after each step's tokens are accepted, pipelined ones included (a server
         streams them from here); returning True ends a pipelined run early (requests arrived)."""
@@ -195,6 +212,7 @@ class Engine:
         self._next_id += 1
         self.requests[request.id] = request
         self.waiting.append(request)
+        self._not_plain += not _plain_greedy(params)
         return request.id
 
     @property
@@ -234,6 +252,9 @@ class Engine:
         index = 0
         while index < len(self.running):  # oldest first; preemption takes the newest, at the end
             request = self.running[index]
+            if request.drawn is not None and len(request.output) + 1 >= request.params.max_tokens:
+                index += 1  # its last token is drawn (an asynchronous step): it ends when read
+                continue
             # a decode: its one token; a prefill in chunks: as much as the budget allows
             new = request.pending(max(budget, 1))
             while not fits(request, len(new)) and self.running[-1] is not request:
@@ -302,11 +323,19 @@ class Engine:
 
     def step(self) -> None:
         """One scheduled forward and the sampling of the sequences whose prompt is done (or,
-        when every running sequence decodes greedily, several pipelined ones)."""
-        if self._can_pipeline():
+        when every running sequence decodes greedily, several pipelined ones; or a step queued
+        before the tokens of the one before it are read, `_step_async`)."""
+        if self._in_flight is not None and (not self._async_ready() or self._can_pipeline()):
+            self._accept_in_flight()  # (what follows is scheduled on every token known)
+            return
+        if self._in_flight is None and self._can_pipeline():
             self._decode_pipelined(self.pipeline_steps)
             return
+        asynchronous = self._async_ready()
         batch = self._schedule()
+        if not batch and self._in_flight is not None:
+            self._accept_in_flight()
+            return
         if not batch:
             raise RuntimeError(
                 "no request can be scheduled: the KV pool cannot hold even one sequence's next "
@@ -328,6 +357,9 @@ class Engine:
         seq_ids = [r.id for r, _ in batch]
         decode = all(len(tokens) == 1 for _, tokens in batch)
         step_tokens = [t for _, t in batch]
+        if asynchronous:
+            self._step_async(batch, sampling, decode, start)
+            return
         if decode and self.graphs is not None and self.graphs.bucket(len(batch)) is not None:
             logits = self.graphs.run(seq_ids, [tokens[0] for tokens in step_tokens])
         elif self.step_graphs is not None and self.step_graphs.bucket(
@@ -353,6 +385,62 @@ class Engine:
                 sampled, logprobs = self.sampler.sample(logits, prepared).to_lists()
             for i, (_, request) in enumerate(sampling):
                 self._accept(request, sampled[i], logprobs[i] if logprobs is not None else None)
+        if decode:
+            self.decode_steps += 1
+            self.decode_seconds += time.perf_counter() - start
+        self._stepped()
+
+    # -- asynchronous steps ---------------------------------------------------------------------
+
+    def _async_ready(self) -> bool:
+        """Whether the next step may be queued before the last one's tokens are read: captured
+        step graphs, every unfinished request greedy without logprobs or penalties (the
+        step's argmax is the token), and blocks for every running sequence's next token and a
+        full step's prefill beside them (no preemption while a token is unread)."""
+        if not self.async_steps or self.step_graphs is None or self._not_plain:
+            return False
+        cache = self.cache
+        slack = -(-self.max_step_tokens // cache.block_size) + len(self.running) + 1
+        return cache.pool.num_free >= slack
+
+    def _step_async(self, batch, sampling, decode: bool, start: float) -> None:
+        """Queue this step with the tokens drawn by the one before it read on the device, then
+        read and accept that one's tokens while this one runs (vLLM's asynchronous
+        scheduling, for mixed steps: the host's scheduling and bookkeeping of a step overlap
+        the GPU's work on the next). A request that the tokens read finish was queued in this
+        step too: its row is discarded when this step's tokens are read."""
+        self.steps += 1
+        step = self.steps
+        drawn = [r.drawn[1] if tokens[-1] == DRAWN else -1 for r, tokens in batch]
+        self.step_graphs.run([r.id for r, _ in batch], [t for _, t in batch], drawn)
+        wait = self.step_graphs.send_sampled(len(batch))
+        used = self.cache.pool.num_blocks - self.cache.pool.num_free
+        self.peak_blocks = max(self.peak_blocks, used)
+        self.waste_samples.append(self.cache.waste())
+        for request, tokens in batch:
+            request.computed += len(tokens)
+        self._register_blocks([request for request, _ in batch])  # (of the tokens known)
+        for row, request in sampling:
+            request.drawn = (step, row)
+        previous, self._in_flight = self._in_flight, (step, sampling, wait, start, decode)
+        if previous is not None:
+            self._accept_in_flight(previous)
+
+    def _accept_in_flight(self, in_flight=None) -> None:
+        """Read and accept the tokens of an asynchronous step (default: the one in flight, which
+        then is none)."""
+        if in_flight is None:
+            in_flight, self._in_flight = self._in_flight, None
+        step, rows, wait, start, decode = in_flight
+        tokens = wait()
+        accepted = []
+        for row, request in rows:
+            if request.drawn is not None and request.drawn[0] == step:
+                request.drawn = None  # (not drawn again since: its token is the host's now)
+            if not request.finished:
+                self._accept(request, tokens[row], None)
+                accepted.append(request)
+        self._register_blocks(accepted)
         if decode:
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - start
@@ -479,6 +567,7 @@ class Engine:
             self.cache.free(request.id)
             self.sampler.release(request.id)
             self.running.remove(request)
+            self._not_plain -= not _plain_greedy(params)
 
     def reset_counters(self) -> None:
         """Forget finished requests and zero the statistics (the engine must be idle)."""
@@ -489,11 +578,14 @@ class Engine:
         self.steps = self.preemptions = self.decode_steps = self.peak_blocks = 0
         self.decode_seconds = 0.0
         self.waste_samples.clear()
+        self._in_flight = None  # (a step whose requests had all finished: nothing to read)
 
     def run(self) -> list[list[int]]:
         """Step until every request has finished; each request's new tokens, by id."""
         while self.waiting or self.running:
             self.step()
+        if self._in_flight is not None:  # (a step of requests that its predecessor finished)
+            self._accept_in_flight()
         return [r.output for r in self.requests.values()]
 
     def abort(self, request_id: int) -> None:
@@ -509,6 +601,7 @@ class Engine:
         self.cache.free(request.id)
         self.sampler.release(request.id)
         request.finished, request.finish_reason = True, "abort"
+        self._not_plain -= not _plain_greedy(request.params)
 
     def forget(self, request_id: int) -> None:
         """Drop a finished request (a server, once it has answered: requests do not pile up)."""
