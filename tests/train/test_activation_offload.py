@@ -205,3 +205,25 @@ def test_a_saved_tensor_comes_back_with_its_strides():
     model.layers[0](x).sum().backward()
     assert offload.bytes_offloaded == 4 * 32 * 4
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def test_expanded_and_sliced_saved_tensors_come_back_dense():
+    from memfit.train.checkpointing import offload_saved_tensors
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            wide = (x * 1).sum(-1, keepdim=True).expand_as(x)  # (stride 0: elements overlap)
+            return x * wide + (x * 1)[:, :8].sum(-1, keepdim=True)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block()])
+    offload = ActivationOffload("cpu", min_bytes=1)
+    offload_saved_tensors(model, offload)
+    x = torch.randn(64, 64, requires_grad=True)
+    reference = torch.randn(64, 64)
+    model.layers[0](x).backward(reference)
+    expected = x.detach().clone().requires_grad_()
+    Block().forward(expected).backward(reference)
+    torch.testing.assert_close(x.grad, expected.grad)
+    assert offload.bytes_offloaded > 0
+    assert offload.pinned_bytes <= offload.bytes_offloaded  # (no buffer over a view's span)

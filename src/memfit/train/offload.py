@@ -173,10 +173,16 @@ class ActivationOffload:
         free = self._free.get(_layout(like))
         if free:
             return free.pop()
-        # its strides too: a compiled block's backward expects each saved tensor's (a transposed
-        # view comes back transposed)
+        # its strides too where they are a permutation of a dense layout: a compiled block's
+        # backward expects each saved tensor's (a transposed view comes back transposed); an
+        # expanded or sliced view comes back dense (its own strides would overlap or span gaps)
+        _, strides, _ = _layout(like)
         host = torch.empty_strided(
-            like.shape, like.stride(), dtype=like.dtype, device="cpu", pin_memory=self.cuda
+            like.shape,
+            strides or _contiguous_strides(like.shape),
+            dtype=like.dtype,
+            device="cpu",
+            pin_memory=self.cuda,
         )
         self.buffers_allocated += 1
         self.pinned_bytes += host.untyped_storage().nbytes()
@@ -184,7 +190,22 @@ class ActivationOffload:
 
 
 def _layout(x: Tensor) -> tuple:
-    return tuple(x.shape), x.stride(), x.dtype
+    """What a pooled buffer for `x` must match: shape, dtype, and strides if they are a
+    permutation of a dense layout's (None otherwise: the buffer is contiguous)."""
+    expected, dense = 1, True
+    for stride, size in sorted(
+        (st, n) for n, st in zip(x.shape, x.stride(), strict=True) if n != 1
+    ):
+        dense, expected = dense and stride == expected, expected * size
+    return tuple(x.shape), x.stride() if dense else None, x.dtype
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _of_a_parameter(tensor: Tensor) -> bool:
