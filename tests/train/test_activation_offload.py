@@ -166,7 +166,9 @@ def test_planner_without_checkpointing_moves_every_layer_but_two():
         plan(model, Strategy(**{**vars(base), "offload_activations": True})),
     )
     per_layer = layer_activation_bytes(model, base)
-    assert offloaded.host_bytes == model.num_layers * per_layer
+    # (and, with fp32 masters, the bf16 weight copies that the compiled blocks save)
+    copies = 2 * model.spec.sizes["P_matmul_layer"]
+    assert offloaded.host_bytes == model.num_layers * (per_layer + copies)
     assert (
         kept.forward_kept_bytes - offloaded.forward_kept_bytes == (model.num_layers - 2) * per_layer
     )

@@ -41,7 +41,11 @@ from dataclasses import dataclass
 from memfit.models.config import ModelConfig
 from memfit.optim.registry import get_optimizer
 from memfit.planner.hardware import GPU
-from memfit.planner.memory import Strategy, offloaded_bytes_per_layer
+from memfit.planner.memory import (
+    Strategy,
+    offloaded_bytes_per_layer,
+    offloaded_weight_copies_per_layer,
+)
 
 PEAK_EFFICIENCY = 0.76
 HALF_EFFICIENCY_WIDTH = 600
@@ -176,7 +180,10 @@ def step_time(
         # each block's share out in the forward and back in the backward, on a stream of their
         # own beside the blocks' compute: only what the compute cannot hide shows (none for
         # block inputs at llama-1b and llama-3.2-3b, seq 8192: activation_offload.json)
-        moved = model.num_layers * offloaded_bytes_per_layer(model, strategy)
+        moved = model.num_layers * (
+            offloaded_bytes_per_layer(model, strategy)
+            + offloaded_weight_copies_per_layer(model, strategy)
+        )
         copies = 2 * moved * strategy.grad_accum / PCIE_BYTES_PER_S
         communication += max(0.0, copies - compute - recompute)
     return StepTime(
