@@ -325,13 +325,13 @@ class Engine:
         """One scheduled forward and the sampling of the sequences whose prompt is done (or,
         when every running sequence decodes greedily, several pipelined ones; or a step queued
         before the tokens of the one before it are read, `_step_async`)."""
-        if self._in_flight is not None and (not self._async_ready() or self._can_pipeline()):
+        asynchronous = self._async_ready()
+        if self._in_flight is not None and (not asynchronous or self._can_pipeline()):
             self._accept_in_flight()  # (what follows is scheduled on every token known)
             return
         if self._in_flight is None and self._can_pipeline():
             self._decode_pipelined(self.pipeline_steps)
             return
-        asynchronous = self._async_ready()
         batch = self._schedule()
         if not batch and self._in_flight is not None:
             self._accept_in_flight()
@@ -358,7 +358,7 @@ class Engine:
         decode = all(len(tokens) == 1 for _, tokens in batch)
         step_tokens = [t for _, t in batch]
         if asynchronous:
-            self._step_async(batch, sampling, decode, start)
+            self._step_async(batch, seq_ids, step_tokens, sampling, decode, start)
             return
         if decode and self.graphs is not None and self.graphs.bucket(len(batch)) is not None:
             logits = self.graphs.run(seq_ids, [tokens[0] for tokens in step_tokens])
@@ -368,13 +368,7 @@ class Engine:
             logits = self.step_graphs.run(seq_ids, step_tokens)
         else:
             logits = paged_step(self.model, self.cache, seq_ids, step_tokens)
-        self.steps += 1
-        used = self.cache.pool.num_blocks - self.cache.pool.num_free
-        self.peak_blocks = max(self.peak_blocks, used)
-        self.waste_samples.append(self.cache.waste())
-        for request, tokens in batch:
-            request.computed += len(tokens)
-        self._register_blocks([request for request, _ in batch])
+        self._queued(batch)
         if sampling:
             rows = [row for row, _ in sampling]
             if len(rows) < len(batch):
@@ -390,6 +384,16 @@ class Engine:
             self.decode_seconds += time.perf_counter() - start
         self._stepped()
 
+    def _queued(self, batch) -> None:
+        """A step's forward is queued: count it, and its tokens are in the cache."""
+        self.steps += 1
+        used = self.cache.pool.num_blocks - self.cache.pool.num_free
+        self.peak_blocks = max(self.peak_blocks, used)
+        self.waste_samples.append(self.cache.waste())
+        for request, tokens in batch:
+            request.computed += len(tokens)
+        self._register_blocks([request for request, _ in batch])
+
     # -- asynchronous steps ---------------------------------------------------------------------
 
     def _async_ready(self) -> bool:
@@ -403,23 +407,17 @@ class Engine:
         slack = -(-self.max_step_tokens // cache.block_size) + len(self.running) + 1
         return cache.pool.num_free >= slack
 
-    def _step_async(self, batch, sampling, decode: bool, start: float) -> None:
+    def _step_async(self, batch, seq_ids, step_tokens, sampling, decode: bool, start) -> None:
         """Queue this step with the tokens drawn by the one before it read on the device, then
         read and accept that one's tokens while this one runs (vLLM's asynchronous
         scheduling, for mixed steps: the host's scheduling and bookkeeping of a step overlap
         the GPU's work on the next). A request that the tokens read finish was queued in this
         step too: its row is discarded when this step's tokens are read."""
-        self.steps += 1
-        step = self.steps
         drawn = [r.drawn[1] if tokens[-1] == DRAWN else -1 for r, tokens in batch]
-        self.step_graphs.run([r.id for r, _ in batch], [t for _, t in batch], drawn)
+        self.step_graphs.run(seq_ids, step_tokens, drawn)
         wait = self.step_graphs.send_sampled(len(batch))
-        used = self.cache.pool.num_blocks - self.cache.pool.num_free
-        self.peak_blocks = max(self.peak_blocks, used)
-        self.waste_samples.append(self.cache.waste())
-        for request, tokens in batch:
-            request.computed += len(tokens)
-        self._register_blocks([request for request, _ in batch])  # (of the tokens known)
+        self._queued(batch)  # (registers the blocks of the tokens known)
+        step = self.steps
         for row, request in sampling:
             request.drawn = (step, row)
         previous, self._in_flight = self._in_flight, (step, sampling, wait, start, decode)
