@@ -767,7 +767,8 @@ def serve_table(run: dict) -> str:
     lines += [row("`memfit serve`", r) for r in run.get("rates", [])]
     lines += [
         row(
-            "`memfit serve`",
+            "`memfit serve`"
+            + (f" `--api-servers {r['api_servers']}`" if "api_servers" in r else ""),
             r,
             f", prefill budget {r['max_step_tokens']}"
             + (f", max running {r['max_running']}" if "max_running" in r else ""),
@@ -791,6 +792,7 @@ def serve_table(run: dict) -> str:
             f"| memfit `LLM.generate` (offline, no HTTP) | all at once | "
             f"{offline['tokens_per_s']:,.0f} | - | - |"
         )
+    lines += _saturation_lines(run.get("chunk", []))
     if "second_call" in run:
         later = run["second_call"]
         lines += [
@@ -822,6 +824,42 @@ def serve_table(run: dict) -> str:
             f"{n['4 requests']} ({n['ratio']:.0%}).",
         ]
     return "\n".join(lines)
+
+
+def _saturation_lines(rows: list[dict]) -> list[str]:
+    """For each server of the chunk part measured unloaded and at several Poisson rates: the
+    rate where its throughput saturates (the lowest whose tokens/s come within 3% of the most
+    any rate reached) and its p99 ITL there against the unloaded ITL (the issue's bar: 3x)."""
+    lines = []
+    servers: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["max_step_tokens"], r.get("max_running"), r.get("api_servers", 1))
+        servers.setdefault(key, []).append(r)
+    for (budget, running, http), loads in servers.items():
+        unloaded = next((r for r in loads if r["rate"] == "one at a time"), None)
+        rated = [r for r in loads if isinstance(r["rate"], (int, float))]
+        if unloaded is None or len(rated) < 2:
+            continue
+        most = max(r["tokens_per_s"] for r in loads if r is not unloaded)
+        knee = min(
+            (r for r in rated if r["tokens_per_s"] >= 0.97 * most),
+            key=lambda r: r["rate"],
+            default=None,
+        )
+        if knee is None:
+            continue
+        p99, base = knee["itl"]["p99"], unloaded["itl"]
+        lines += [
+            "",
+            f"With `--max-step-tokens {budget}`"
+            + (f" `--max-running {running}`" if running else "")
+            + (f" `--api-servers {http}`" if http > 1 else "")
+            + f", the throughput saturates at {knee['rate']:g} requests/s ({knee['tokens_per_s']:,.0f} "
+            f"tokens/s, within 3% of the most at any rate, {most:,.0f}); the p99 ITL there is "
+            f"{p99 * 1e3:.2f} ms: {p99 / base['p50']:.2f}x the unloaded p50 ({base['p50'] * 1e3:.2f} "
+            f"ms) and {p99 / base['p99']:.2f}x the unloaded p99 ({base['p99'] * 1e3:.2f} ms).",
+        ]
+    return lines
 
 
 def _has(key: str) -> Callable[[dict], bool]:

@@ -526,10 +526,11 @@ def main() -> None:
     checkpoint = write_checkpoint(Path(workdir.name), args.model, args.device)
     run = {"env": harness.environment(), "model": args.model, "new_tokens": args.new_tokens,
            "prompt_tokens": [args.prompt_low, args.prompt_high], "requests": args.requests}  # fmt: skip
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
     if "peer" in args.parts:  # first, while this process holds no GPU memory
         run["peer"] = peer_part(clients, checkpoint, args)
         if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "serve_partial.json").write_text(json.dumps(run, indent=2))
     for part in ("rates", "chunk", "interval", "api_servers", "prefix", "n", "in_process"):
         if part in args.parts:

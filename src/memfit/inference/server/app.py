@@ -16,6 +16,7 @@ the reason: over the context, an invalid value, an unknown model), 429 when the 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
 
@@ -103,7 +105,17 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
     eos = tuple(texts.info.generation.eos_token_ids) if texts.info is not None else ()
     chat_template = getattr(texts.info, "chat_template", None)
     created = int(time.time())
-    app = FastAPI(title="memfit", version="0.1.0")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.listen(asyncio.get_running_loop())
+        # what start-up left (the app, the tokenizer, the libraries) is kept out of the
+        # collector's full passes, which would scan it all and hold every stream up now and then
+        gc.collect()
+        gc.freeze()
+        yield
+
+    app = FastAPI(title="memfit", version="0.1.0", lifespan=lifespan)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
