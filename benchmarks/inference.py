@@ -212,15 +212,15 @@ def _prefill_case(prefix: int, new: int, *, device, sweep: bool) -> dict:
         "flash_tflops": flops / t_flash / 1e12, "max_abs_diff_vs_flash": err,
     }  # fmt: skip
     if sweep:
-        default, found = paged_ops.CHUNK_CONFIG, []
+        default, found = paged_ops.CHUNK_CONFIGS[128], []  # (head dim 128)
         try:
             for config in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3),
                            (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]:  # fmt: skip
-                paged_ops.CHUNK_CONFIG = config
+                paged_ops.CHUNK_CONFIGS[128] = config
                 seconds = graph_seconds(memfit, calls=5, repeat=10)
                 found.append({"config": config, "tflops": flops / seconds / 1e12})
         finally:
-            paged_ops.CHUNK_CONFIG = default
+            paged_ops.CHUNK_CONFIGS[128] = default
         row["sweep"] = found
         print(f"  sweep best: {max(found, key=lambda r: r['tflops'])}", flush=True)
     print(

@@ -366,13 +366,18 @@ def _chunk_kernel(
 
 # Decode, per padded head dim: (BLOCK_N, num_warps, num_stages), from a sweep on an H100 (bf16,
 # triton 3.6; `benchmarks/inference.py --sweep`): 97-99% of the copy bandwidth at B=64 L=4096
-# (D=128) and 95% at B=128 L=2048 (D=64). Chunk: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N,
-# num_warps, num_stages), the best of a sweep of 2048 new tokens over prefixes of 0-30k. D=64
-# tiles of 64 keys since an H200 sweep (scratch of 2026-11-26) found them never slower: 64
-# sequences of 100-600 keys 28.4 -> 22.2 us, 8 of 4096 41.0 -> 32.3 us, 128 of 2048 137.7 ->
-# 133.7 us.
-DECODE_CONFIGS = {64: (64, 2, 3), 128: (64, 4, 3)}
-CHUNK_CONFIG = (128, 32, 4, 3)
+# (D=128). D=64 from sweeps on an H200 at a loaded server's shapes (scratch of 2026-11-26,
+# us a layer, cold KV, 128-key tiles against 64): 64 sequences of 100-640 keys 25.8 -> 20.8, 8 of
+# 4096 32.2 -> 27.2, 32 of 1000-3000 54.3 -> 46.0, 128 of 2048 and 256 of 200-700 equal, batch 1
+# at 4096 11.1 -> 9.4 and at 512 5.1 -> 5.6 (the one loss).
+DECODE_CONFIGS = {64: (128, 4, 2), 128: (64, 4, 3)}
+# Chunk, per padded head dim: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N, num_warps, num_stages).
+# D=128: the best of a sweep of 2048 new tokens over prefixes of 0-30k (H100). D=64: H200, each
+# step also decoding 32 sequences, us a layer against (128, 32, 4, 3): 2048 new tokens over 0 and
+# 4096 cached 153 -> 118 and 476 -> 389, 512 over 1024 85 -> 60, 128 over 2000 112 -> 73, and a
+# loaded server's mixed step (64 decodes, two prompts' 32-token chunks) 53 -> 38 with the
+# decode tiles above.
+CHUNK_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 32, 4, 3)}
 _INTERPRET_BLOCK_N = 16
 
 
@@ -448,7 +453,7 @@ def paged_attention(
         if interpret:
             block_m, block_n, warps, stages = 16, _INTERPRET_BLOCK_N, 1, 1
         else:
-            block_m, block_n, warps, stages = CHUNK_CONFIG
+            block_m, block_n, warps, stages = CHUNK_CONFIGS.get(block_d, CHUNK_CONFIGS[128])
         group_pad = _next_pow2(group)
         block_q = max(block_m // group_pad, 1)
         grid = (-(-tokens // block_q) + num_seqs, heads_kv)
