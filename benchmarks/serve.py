@@ -116,15 +116,21 @@ async def _one(client, body, at) -> dict:
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {(await response.aread())[:500]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                ids = choice.get("token_ids")  # memfit's; else one word a token
-                count = len(ids) if ids is not None else len(choice.get("text", "").split())
-                times += [time.perf_counter()] * count
+        pending = b""
+        async for data in response.aiter_raw():
+            # a token's time is when its bytes came, not when this process got round to parsing
+            # them: a client process parses several streams, and the others' events would count
+            now = time.perf_counter()
+            *events, pending = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
+            for raw in events:
+                if not raw.startswith(b"data: {"):
+                    continue
+                event = json.loads(raw[6:])
+                usage = event.get("usage") or usage
+                for choice in event.get("choices", []):
+                    ids = choice.get("token_ids")  # memfit's; else one word a token
+                    count = len(ids) if ids is not None else len(choice.get("text", "").split())
+                    times += [now] * count
     return {
         "ttft": times[0] - sent if times else None,
         "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
