@@ -366,17 +366,17 @@ def _chunk_kernel(
 
 # Decode, per padded head dim: (BLOCK_N, num_warps, num_stages), from a sweep on an H100 (bf16,
 # triton 3.6; `benchmarks/inference.py --sweep`): 97-99% of the copy bandwidth at B=64 L=4096
-# (D=128). D=64 from sweeps on an H200 at a loaded server's shapes (scratch of 2026-11-26,
-# us a layer, cold KV, 128-key tiles against 64): 64 sequences of 100-640 keys 25.8 -> 20.8, 8 of
-# 4096 32.2 -> 27.2, 32 of 1000-3000 54.3 -> 46.0, 128 of 2048 and 256 of 200-700 equal, batch 1
-# at 4096 11.1 -> 9.4 and at 512 5.1 -> 5.6 (the one loss).
+# (D=128). D=64: `benchmarks/paged_tiles.py` on an H200 (results/paged_tiles.json; us a layer,
+# cold KV, 128-key tiles against 64): 64 sequences of 100-640 keys 25.3 -> 20.0, 8 of 4096
+# 32.1 -> 26.9, 32 of 1000-3000 54.3 -> 45.5, 128 of 2048 and 256 of 200-700 within 1%, batch
+# 1 at 4096 keys 11.1 -> 9.4 and at 512 5.0 -> 5.5 (the one loss).
 DECODE_CONFIGS = {64: (128, 4, 2), 128: (64, 4, 3)}
 # Chunk, per padded head dim: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N, num_warps, num_stages).
-# D=128: the best of a sweep of 2048 new tokens over prefixes of 0-30k (H100). D=64: H200, each
-# step also decoding 32 sequences, us a layer against (128, 32, 4, 3): 2048 new tokens over 0 and
-# 4096 cached 153 -> 118 and 476 -> 389, 512 over 1024 85 -> 60, 128 over 2000 112 -> 73, and a
-# loaded server's mixed step (64 decodes, two prompts' 32-token chunks) 53 -> 38 with the
-# decode tiles above.
+# D=128: the best of a sweep of 2048 new tokens over prefixes of 0-30k (H100). D=64: the same
+# H200 sweeps, each step also decoding 32 sequences, us a layer against (128, 32, 4, 3): 2048
+# new tokens over 0 and 4096 cached 150 -> 113 and 479 -> 387, 512 over 1024 81 -> 55, 128 over
+# 2000 109 -> 67; a loaded server's mixed step (64 decodes, two prompts' 32-token chunks) 53.5 ->
+# 38.2 together with the decode tiles above.
 CHUNK_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 32, 4, 3)}
 _INTERPRET_BLOCK_N = 16
 
