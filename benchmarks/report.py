@@ -767,8 +767,9 @@ def serve_table(run: dict) -> str:
     lines += [row("`memfit serve`", r) for r in run.get("rates", [])]
     lines += [
         row(
-            "`memfit serve`"
-            + (f" `--api-servers {r['api_servers']}`" if "api_servers" in r else ""),
+            "`memfit serve"
+            + (f" --api-servers {r['api_servers']}" if "api_servers" in r else "")
+            + "`",
             r,
             f", prefill budget {r['max_step_tokens']}"
             + (f", max running {r['max_running']}" if "max_running" in r else ""),
