@@ -111,7 +111,9 @@ def check_device_spec(spec: str, name: str = "train.device") -> None:
 @dataclass(kw_only=True)
 class ModelSection(_Section):
     name: str = "tiny"
-    """A preset (tiny, llama-1b, llama-2-7b, ...) or the path of a Hugging Face config.json."""
+    """A preset (tiny, llama-1b, llama-2-7b, ...), the path of a Hugging Face config.json (its
+    shapes, random weights), or a Hugging Face checkpoint directory (config.json and safetensors
+    weights: training starts from those weights)."""
     attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each transformer block; auto: on for CUDA without activation checkpointing."""
@@ -261,6 +263,40 @@ class CheckpointSection(_Section):
 
 
 @dataclass(kw_only=True)
+class LoRASection(_Section):
+    """LoRA adapters on a frozen base (memfit.nn.lora); rank 0 trains every weight."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "all-linear"
+    """Comma-separated Hugging Face layer names (q_proj, k_proj, v_proj, o_proj, gate_proj,
+    up_proj, down_proj), or all-linear."""
+    rslora: bool = False
+    """Scale the update by alpha / sqrt(rank) instead of alpha / rank."""
+
+    def validate(self) -> None:
+        check_at_least("lora.rank", self.rank, 0, what=" (0: no LoRA)")
+        if self.rank:
+            try:
+                self.spec()
+            except ValueError as error:
+                raise ValueError(f"[lora]: {error}") from None
+
+    def spec(self):
+        """The memfit.nn.lora.LoRASpec, or None when LoRA is off."""
+        if not self.rank:
+            return None
+        from memfit.nn.lora import LoRASpec
+
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        return LoRASpec(
+            rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets,
+            rslora=self.rslora,
+        )  # fmt: skip
+
+
+@dataclass(kw_only=True)
 class DistributedSection(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     offload: Literal["none", "optimizer", "params"] = "none"
@@ -284,6 +320,7 @@ class Config:
     loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    lora: LoRASection = field(default_factory=LoRASection)
 
     def __post_init__(self) -> None:
         check_parallelism(
@@ -297,6 +334,17 @@ class Config:
             raise ValueError(
                 "train.master_weights = 'none' runs on one process without --zero and --offload "
                 "for now (ZeRO shards and offloads fp32 master weights)"
+            )
+
+        if self.lora.rank and (self.distributed.zero or self.distributed.offload != "none"):
+            raise ValueError(
+                "LoRA trains on one process without --zero and --offload for now (its adapters "
+                "are a few MB; the frozen base is stored once in the compute dtype)"
+            )
+        if self.lora.rank and self.train.master_weights == "none":
+            raise ValueError(
+                "with LoRA the frozen base is already stored in the compute dtype and the "
+                "adapters keep fp32 weights: drop --master-weights none"
             )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -350,6 +398,7 @@ _SECTIONS = {
     "loss_scale": LossScaleSection,
     "checkpoint": CheckpointSection,
     "distributed": DistributedSection,
+    "lora": LoRASection,
 }
 _SECTION_NAMES = {cls.__name__: name for name, cls in _SECTIONS.items()}
 

@@ -153,3 +153,33 @@ def test_activation_offload_on_cuda(mode, compiled):
         assert held["offloaded"] < held["kept"] / 2
     for n, grad in grads["kept"].items():
         assert torch.equal(grads["offloaded"][n], grad), n
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_lora_learns_on_cuda_with_a_frozen_bf16_base(tmp_path, checkpointing):
+    """LoRA on CUDA in bf16, compiled blocks (checkpointing none) or checkpointed ones: the
+    loss falls, the base stays bf16 and unchanged, and only the adapters hold optimizer state."""
+    trainer = Trainer(
+        build_config(
+            flags={
+                "data": {"seq_len": 256},
+                "train": {"steps": 30, "device": "cuda", "precision": "bf16", "lr": 1e-2,
+                          "checkpointing": checkpointing},
+                "checkpoint": {"out": str(tmp_path)},
+                "lora": {"rank": 8, "alpha": 16.0},
+            }
+        )
+    )  # fmt: skip
+    assert trainer.compiled == (checkpointing == "none")
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".lora_" not in n}
+    assert all(p.dtype == torch.bfloat16 for p in base.values())
+    history = [trainer.train_step() for _ in range(30)]
+    assert history[-1].loss < history[0].loss - 0.5
+    for name, param in trainer.model.named_parameters():
+        if ".lora_" in name:
+            assert param.dtype == torch.float32, name
+        else:
+            assert torch.equal(param, base[name]), name
+    stateful = {id(p) for p, s in trainer.optimizer.state.items() if s}
+    adapters = {id(p) for n, p in trainer.model.named_parameters() if ".lora_" in n}
+    assert stateful == adapters

@@ -66,7 +66,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="override any config key, e.g. --set train.weight_decay=0.0 (repeatable)",
     )
     p.add_argument(
-        "--model", help="preset (tiny, llama-1b, llama-2-7b, ...) or path to a HF config.json"
+        "--model",
+        help="preset (tiny, llama-1b, llama-2-7b, ...), a HF config.json (random weights) or a "
+        "HF checkpoint directory (its weights)",
     )
     p.add_argument("--data", help="synthetic (built in), a .txt/.jsonl file, or a folder of them")
     p.add_argument("--tokenizer", help="byte (default) or path to a tokenizer.json")
@@ -111,6 +113,19 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--compile",
         choices=["auto", "on", "off"],
         help="torch.compile each block (auto: on for CUDA without --checkpointing)",
+    )
+    p.add_argument(
+        "--lora-rank", type=int, help="train LoRA adapters of this rank on a frozen base (0: off)"
+    )
+    p.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 16)")
+    p.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input")
+    p.add_argument(
+        "--lora-targets",
+        help="comma-separated layers: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
+        "or all-linear (default)",
+    )
+    p.add_argument(
+        "--rslora", action="store_true", default=None, help="scale by alpha / sqrt(rank)"
     )
     p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
@@ -226,6 +241,31 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_serve)
 
 
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="a run or checkpoint as a Hugging Face checkpoint (LoRA adapters merged)",
+        description="Write a memfit run (its newest complete checkpoint) or checkpoint as a "
+        "Hugging Face checkpoint directory that transformers and vLLM load. A LoRA run's "
+        "adapters are merged into the weights; RUN/adapter holds them alone, in peft's format.",
+    )
+    p.add_argument("path", metavar="RUN", help="a memfit run directory or checkpoint")
+    p.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge LoRA adapters into the weights (what export always does for a LoRA run)",
+    )
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.set_defaults(handler=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from memfit.cli.export import run_export
+
+    return run_export(args.path, args.out, args.dtype, console)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -238,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     _profile_parser(sub)
     _generate_parser(sub)
     _serve_parser(sub)
+    _export_parser(sub)
     from memfit.cli.plan import add_plan_parser
 
     add_plan_parser(sub, _cmd_plan)
@@ -265,6 +306,11 @@ _TRAIN_FLAGS = {
     "zero": ("distributed", "zero"),
     "offload": ("distributed", "offload"),
     "reduce_dtype": ("distributed", "reduce_dtype"),
+    "lora_rank": ("lora", "rank"),
+    "lora_alpha": ("lora", "alpha"),
+    "lora_dropout": ("lora", "dropout"),
+    "lora_targets": ("lora", "targets"),
+    "rslora": ("lora", "rslora"),
     "out": ("checkpoint", "out"),
     "save_every": ("checkpoint", "save_every"),
     "resume": ("checkpoint", "resume"),

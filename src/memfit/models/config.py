@@ -332,6 +332,36 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         raise ValueError(f"{str(path)!r}: {error}") from None
 
 
+def to_hf_config(config: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A Hugging Face config.json for `config`: Mistral with a sliding window, Qwen2 with qkv
+    biases (its output projection has none, unlike Llama's attention_bias), Llama otherwise."""
+    model_type, arch = "llama", "LlamaForCausalLM"
+    if config.sliding_window is not None:
+        model_type, arch = "mistral", "MistralForCausalLM"
+    elif config.qkv_bias:
+        model_type, arch = "qwen2", "Qwen2ForCausalLM"
+    hf: dict[str, Any] = {
+        "architectures": [arch], "model_type": model_type, "hidden_act": "silu",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim or config.hidden_size // config.num_heads,
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std, "torch_dtype": dtype,
+        "bos_token_id": None, "eos_token_id": None,
+    }  # fmt: skip
+    if config.rope_scaling is not None:
+        hf["rope_scaling"] = dict(config.rope_scaling)
+    if model_type == "llama":
+        hf["attention_bias"] = False
+    if model_type == "mistral":
+        hf["sliding_window"] = config.sliding_window
+    if model_type == "qwen2":
+        hf["use_sliding_window"] = False
+    return hf
+
+
 def _from_hf_dict(hf: dict[str, Any], path: Path, model_type: str) -> ModelConfig:
     def number(key: str, value: Any) -> float:
         if not _is_number(value):

@@ -135,6 +135,9 @@ class PretrainedInfo:
     tokenizer: Tokenizer | None
     chat_template: str | None = None
     step: int | None = None
+    lora: Any = None
+    """The memfit.nn.lora.LoRASpec a memfit LoRA run trained with (its adapters are merged
+    into the weights returned), else None."""
 
 
 def load_pretrained(
@@ -357,6 +360,11 @@ def _load_memfit(
             f"{str(checkpoint / 'meta.json')!r} holds no model config memfit reads: {error}"
         ) from None
     model, backend = _meta_model(config, device, dtype, attention)
+    lora = _lora_of_run(checkpoint)
+    if lora is not None:  # a LoRA run's weights: its base and adapters, merged once loaded
+        from memfit.nn.lora import apply_lora
+
+        apply_lora(model, lora)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     _materialize(
         model,
@@ -371,6 +379,11 @@ def _load_memfit(
         device,
         dtype,
     )
+    if lora is not None:
+        from memfit.nn.lora import merge_lora
+
+        merge_lora(model)
+        model.requires_grad_(False)
     try:
         tokenizer = load_tokenizer(meta["tokenizer"])
     except FileNotFoundError as error:  # trained from a tokenizer.json since moved
@@ -389,8 +402,25 @@ def _load_memfit(
         generation=generation,
         tokenizer=tokenizer,
         step=meta.get("step"),
+        lora=lora,
     )
     return model, info
+
+
+def _lora_of_run(checkpoint: Path):
+    """The LoRASpec a memfit checkpoint was trained with (its config.toml's [lora]), or None."""
+    from memfit.config import LoRASection, tomllib
+
+    path = checkpoint / "config.toml"
+    if not path.is_file():
+        return None
+    try:
+        section = tomllib.loads(path.read_text()).get("lora", {})
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not valid TOML: {error}") from None
+    if not section.get("rank"):
+        return None
+    return LoRASection(**section).spec()
 
 
 # -- the shared path: meta model -> checked headers -> tensors in dtype on device ------------

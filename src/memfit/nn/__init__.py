@@ -3,7 +3,27 @@
 
 from memfit.nn.attention import Attention, AttentionMetadata
 from memfit.nn.linear import Linear
+from memfit.nn.lora import (
+    LoRALinear,
+    LoRASpec,
+    apply_lora,
+    load_peft_adapter,
+    merge_lora,
+    save_peft_adapter,
+)
 from memfit.nn.mlp import SwiGLUMLP
 from memfit.nn.norm import RMSNorm
 
-__all__ = ["Attention", "AttentionMetadata", "Linear", "RMSNorm", "SwiGLUMLP"]
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "Linear",
+    "LoRALinear",
+    "LoRASpec",
+    "RMSNorm",
+    "SwiGLUMLP",
+    "apply_lora",
+    "load_peft_adapter",
+    "merge_lora",
+    "save_peft_adapter",
+]

@@ -82,6 +82,16 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def pretrained_directory(name: str) -> Path | None:
+    """`name` as a Hugging Face checkpoint directory with weights (config.json and safetensors
+    files), or None: a preset or a config.json alone gives shapes only."""
+    path = Path(name)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    return path if any((path / w).is_file() for w in weights) else None
+
+
 def default_run_dir(model_name: str) -> str:
     return os.path.join("runs", f"{Path(model_name).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
@@ -165,7 +175,8 @@ class Trainer:
             window=self.model_config.sliding_window,
         )
         self.attention = attention
-        if self.device.type == "cuda":
+        lora = config.lora.spec()
+        if self.device.type == "cuda" and lora is None:  # (the planner counts no LoRA yet)
             from memfit.planner import detect_gpu
 
             gpu = detect_gpu()
@@ -176,9 +187,23 @@ class Trainer:
                 raise ConfigError(message)
             if verdict == "warn" and self.world.is_main:
                 logger.warning("%s", message)
-        self.model = build_model(
-            self.model_config, device=self.device, attention=attention, seed=train.seed
-        )
+        self.pretrained = pretrained_directory(config.model.name)
+        if self.pretrained is not None:  # a Hugging Face checkpoint: start from its weights
+            from memfit.models.loading import load_pretrained
+
+            # LoRA keeps the frozen base in the compute dtype: read it so, never in fp32 whole
+            dtype = DTYPES[self.precision] if lora is not None else torch.float32
+            self.model, _ = load_pretrained(
+                self.pretrained, device=self.device, dtype=dtype, attention=attention
+            )
+            logger.info("weights from %s (%s)", self.pretrained, dtype)
+        else:  # (LoRA: the frozen base made in the compute dtype, as a checkpoint is read)
+            self.model = build_model(
+                self.model_config, device=self.device, attention=attention, seed=train.seed,
+                dtype=DTYPES[self.precision] if lora is not None else None,
+            )  # fmt: skip
+        if lora is not None:
+            self._apply_lora(lora)
         if train.master_weights == "none":  # the parameters are the bf16 weights themselves
             if self.precision != "bf16":
                 raise ConfigError(
@@ -245,6 +270,27 @@ class Trainer:
         if self.resume_from is not None:
             self._resume(*self.resume_from)
 
+    def _apply_lora(self, spec) -> None:
+        """Adapters on the targeted layers (seeded), the rest frozen and kept in the compute
+        dtype: no gradient, no optimizer state, no fp32 copy of the base."""
+        from memfit.nn.lora import apply_lora
+
+        layers = apply_lora(self.model, spec)
+        generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
+        for layer in layers.values():
+            layer.reset_adapters(generator)
+        compute = DTYPES[self.precision]
+        for param in self.model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(compute)
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.model.parameters())
+        logger.info(
+            "LoRA rank %d on %s of %d layers: %s trainable parameters of %s (%.2f%%)",
+            spec.rank, ", ".join(spec.names), len(layers), f"{trainable:,}", f"{total:,}",
+            100 * trainable / total,
+        )  # fmt: skip
+
     # -- checkpoints ------------------------------------------------------------------------
 
     def trainer_state(self, *, optimizer: bool = True) -> dict[str, Any]:
@@ -284,7 +330,7 @@ class Trainer:
                 f"step {self.step} made {bad} NaN or inf, so no checkpoint was written for it; "
                 f"{self._divergence_advice(self.step)} (or raise the warmup, or check the data)"
             )
-        return ckpt.save_checkpoint(
+        saved = ckpt.save_checkpoint(
             self.run_dir,
             expected_bytes=self.checkpoint_bytes(),
             known_good=self.known_good,
@@ -301,6 +347,12 @@ class Trainer:
             barrier=self._barrier,
             any_rank=lambda flag: bool(launch.agree(torch.tensor(float(flag), device=self.device))),
         )
+        if self.config.lora.rank and self.world.is_main:  # the adapters as peft reads them
+            from memfit.nn.lora import save_peft_adapter
+
+            base = str(self.pretrained or self.config.model.name)
+            save_peft_adapter(self.model, self.run_dir / "adapter", base=base)
+        return saved
 
     def _on_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` run by rank 0 alone (file system checks, checkpoint verification), its result
@@ -398,7 +450,27 @@ class Trainer:
         state = get_optimizer(self.config.train.optimizer).state_bytes_per_param
         weights = 2 if self.config.train.master_weights == "none" else 4
         sharded = self.world.distributed or self.config.distributed.offload != "none"
+        if self.config.lora.rank:  # the frozen base in the compute dtype; state for adapters
+            base = 4 if self.precision == "fp32" else 2
+            trainable = self._lora_trainable()
+            return int(params * base + trainable * (4 + state)) + (1 << 20)
         return int(params * (weights + state + (4 if sharded else 0))) + (1 << 20)
+
+    def _lora_trainable(self) -> int:
+        """The adapters' parameter count, from the shapes alone (the free-space check runs
+        before the model is built)."""
+        c, spec = self.model_config, self.config.lora.spec()
+        head_dim = c.head_dim or c.hidden_size // c.num_heads
+        q, kv = c.num_heads * head_dim, c.num_kv_heads * head_dim
+        shapes = {  # (in, out) of each layer's projections
+            "q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv),
+            "v_proj": (c.hidden_size, kv), "o_proj": (q, c.hidden_size),
+            "gate_proj": (c.hidden_size, c.intermediate_size),
+            "up_proj": (c.hidden_size, c.intermediate_size),
+            "down_proj": (c.intermediate_size, c.hidden_size),
+        }  # fmt: skip
+        per_layer = sum(spec.rank * (i + o) for n, (i, o) in shapes.items() if n in spec.names)
+        return c.num_layers * per_layer
 
     def _check_free_space(self) -> None:
         need, keep = self.checkpoint_bytes(), self.config.checkpoint.keep

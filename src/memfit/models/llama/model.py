@@ -159,12 +159,16 @@ def build_model(
     device: torch.device | str = "cpu",
     attention: str = "sdpa",
     seed: int | None = 0,
+    dtype: torch.dtype | None = None,
 ) -> Llama:
-    """Construct on the meta device, then allocate on `device` and initialize (seeded)."""
+    """Construct on the meta device, then allocate on `device` and initialize (seeded); in
+    `dtype` (default fp32) without an fp32 copy first."""
     with torch.device("meta"):
         model = Llama(config, attention=attention)
     if torch.device(device).type == "meta":
         return model
+    if dtype is not None:
+        model.to(dtype)  # (meta tensors: free)
     model.to_empty(device=device)
     generator = None
     if seed is not None:

@@ -53,12 +53,17 @@ def _split_sizes(config: ModelConfig, name: str, rows: int) -> list[int]:
     return [rows]
 
 
+def _base_tensors(model: torch.nn.Module):
+    """The model's state dict without LoRA adapters (memfit.nn.lora: saved in peft's format)."""
+    return [(n, t) for n, t in model.state_dict().items() if ".lora_" not in n]
+
+
 def hf_layout(model: torch.nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """memfit name -> the (Hugging Face name, shape) of each tensor it concatenates along dim 0,
     in order. Reads shapes only, so a model on the meta device answers without memory: the
     loader checks a checkpoint against it before it reads any weights."""
     layout = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _base_tensors(model):
         rows = _split_sizes(model.config, name, tensor.shape[0])
         layout[name] = [
             (hf, (size, *tensor.shape[1:])) for hf, size in zip(hf_names(name), rows, strict=True)
@@ -96,7 +101,7 @@ def check_hf_shapes(
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """This model's weights under Hugging Face's names, with qkv and gate_up split back."""
     out: dict[str, Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _base_tensors(model):
         parts = tensor.split(_split_sizes(model.config, name, tensor.shape[0]), dim=0)
         out.update(zip(hf_names(name), parts, strict=True))
     return out
