@@ -827,6 +827,40 @@ def serve_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def lora_table(run: dict) -> str:
+    """benchmarks/lora.py: LoRA training, memfit against transformers + peft."""
+    peer = next((r for r in run["records"] if "peft" in r), {})
+    lines = [
+        _env_line(
+            run, f"transformers {peer.get('transformers', '-')}, peft {peer.get('peft', '-')}."
+        ),  # fmt: skip
+        "",
+        f"Random weights, the base frozen in bf16, rank {run['rank']} adapters (alpha "
+        f"{2 * run['rank']}) on every linear layer in fp32, bf16 autocast, AdamW, activation "
+        f"checkpointing, sequence {run['seq_len']} x micro-batch {run['micro_batch']}:",
+        "",
+        "| model | system | tokens/s | peak | trainable parameters |",
+        "|---|---|---|---|---|",
+    ]
+    for model in dict.fromkeys(r["model"] for r in run["records"]):
+        rows = {r["system"]: r for r in run["records"] if r["model"] == model}
+        theirs = rows.get("transformers+peft", {})
+        for system, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {model} | {system} | {r['error'][:60]} | - | - |")
+                continue
+            speed = f"{r['tokens_per_s']:,.0f}"
+            if system == "memfit" and "tokens_per_s" in theirs:
+                speed = f"**{speed}** ({r['tokens_per_s'] / theirs['tokens_per_s']:.2f}x)"
+            peak = f"{r['peak_gib']:.2f} GiB"
+            if system == "memfit" and "peak_gib" in theirs:
+                peak += f" ({r['peak_gib'] / theirs['peak_gib'] - 1:+.0%})"
+            lines.append(
+                f"| {model} | {system} | {speed} | {peak} | {r['trainable_params'] / 1e6:.1f}M |"
+            )
+    return "\n".join(lines)
+
+
 def _saturation_lines(rows: list[dict]) -> list[str]:
     """For each server of the chunk part measured unloaded and at several Poisson rates: the
     rate where its throughput saturates (the lowest whose tokens/s come within 3% of the most
@@ -885,6 +919,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "scaling": ("zero", scaling_table, lambda run: _gpus(run) > 0, True),
     "inference": ("inference", inference_table, _has("kernel"), True),
     "serve": ("serve", serve_table, _has("peer"), True),
+    "lora": ("lora", lora_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 
