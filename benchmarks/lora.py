@@ -8,6 +8,10 @@ random token batches. memfit runs as `memfit train` does (its fused linear cross
 attention choice); transformers + peft as a user sets them up (SDPA attention, its loss).
 
     python benchmarks/lora.py                         # llama-1b and llama-3-8b shapes
+
+"memfit QLoRA nf4" is memfit with the base's linear layers in NF4 (`--quantize-base nf4`),
+dequantized for each product in PyTorch (no fused kernel yet): its memory, and what the
+dequantization costs; peft's QLoRA needs bitsandbytes, which this machine lacks.
     python benchmarks/lora.py --models llama-1b --micro-batch 8
 
 tokens/s = tokens per step / median step time over --steps steps after --warmup; peak =
@@ -21,6 +25,7 @@ import argparse
 import gc
 import tempfile
 import time
+from functools import partial
 
 import harness
 import torch
@@ -36,7 +41,7 @@ def _fresh() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def memfit_run(model: str, args) -> dict:
+def memfit_run(model: str, args, quantize: str = "none") -> dict:
     _fresh()
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
@@ -47,7 +52,7 @@ def memfit_run(model: str, args) -> dict:
                     "train": {"steps": args.warmup + args.steps, "micro_batch": args.micro_batch,
                               "precision": "bf16", "checkpointing": "full", "device": "cuda"},
                     "checkpoint": {"out": out},
-                    "lora": {"rank": args.rank, "alpha": 2.0 * args.rank},
+                    "lora": {"rank": args.rank, "alpha": 2.0 * args.rank, "quantize": quantize},
                 }
             )
         )  # fmt: skip
@@ -126,12 +131,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quantize", nargs="*", default=["nf4"], help="memfit QLoRA rows too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     run = {"env": harness.environment(), "seq_len": args.seq_len,
            "micro_batch": args.micro_batch, "rank": args.rank, "records": []}  # fmt: skip
     for model in args.models:
-        for system, fn in (("memfit", memfit_run), ("transformers+peft", peft_run)):
+        systems = [("memfit", memfit_run), ("transformers+peft", peft_run)]
+        systems += [(f"memfit QLoRA {kind}", partial(memfit_run, quantize=kind))
+                    for kind in args.quantize]  # fmt: skip
+        for system, fn in systems:
             try:
                 row = fn(model, args)
             except (torch.OutOfMemoryError, RuntimeError) as error:

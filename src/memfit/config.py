@@ -274,9 +274,17 @@ class LoRASection(_Section):
     up_proj, down_proj), or all-linear."""
     rslora: bool = False
     """Scale the update by alpha / sqrt(rank) instead of alpha / rank."""
+    quantize: Literal["none", "nf4", "int8"] = "none"
+    """QLoRA: the frozen base's linear layers stored as 4-bit NormalFloat with double-quantized
+    scales (nf4) or int8 per row, dequantized for each product (memfit.nn.quant)."""
 
     def validate(self) -> None:
         check_at_least("lora.rank", self.rank, 0, what=" (0: no LoRA)")
+        if self.quantize != "none" and not self.rank:
+            raise ValueError(
+                f"lora.quantize = {self.quantize!r} quantizes the frozen base of a LoRA run: "
+                "set lora.rank (--lora-rank) too"
+            )
         if self.rank:
             try:
                 self.spec()

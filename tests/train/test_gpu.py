@@ -155,10 +155,12 @@ def test_activation_offload_on_cuda(mode, compiled):
         assert torch.equal(grads["offloaded"][n], grad), n
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_lora_learns_on_cuda_with_a_frozen_bf16_base(tmp_path, checkpointing):
-    """LoRA on CUDA in bf16, compiled blocks (checkpointing none) or checkpointed ones: the
-    loss falls, the base stays bf16 and unchanged, and only the adapters hold optimizer state."""
+@pytest.mark.parametrize("checkpointing, quantize", [("none", "none"), ("full", "none"),
+                                                    ("full", "nf4"), ("none", "int8")])  # fmt: skip
+def test_lora_learns_on_cuda_with_a_frozen_bf16_base(tmp_path, checkpointing, quantize):
+    """LoRA on CUDA in bf16, compiled blocks (checkpointing none) or checkpointed ones, the base
+    in bf16 or quantized (QLoRA): the loss falls, the base stays as it was, and only the
+    adapters hold optimizer state."""
     trainer = Trainer(
         build_config(
             flags={
@@ -166,13 +168,16 @@ def test_lora_learns_on_cuda_with_a_frozen_bf16_base(tmp_path, checkpointing):
                 "train": {"steps": 30, "device": "cuda", "precision": "bf16", "lr": 1e-2,
                           "checkpointing": checkpointing},
                 "checkpoint": {"out": str(tmp_path)},
-                "lora": {"rank": 8, "alpha": 16.0},
+                "lora": {"rank": 8, "alpha": 16.0, "quantize": quantize},
             }
         )
     )  # fmt: skip
     assert trainer.compiled == (checkpointing == "none")
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".lora_" not in n}
-    assert all(p.dtype == torch.bfloat16 for p in base.values())
+    base |= {n: b.detach().clone() for n, b in trainer.model.named_buffers() if ".quant." in n}
+    assert all(p.dtype == torch.bfloat16 for n, p in base.items() if ".quant." not in n)
+    assert all(b.is_cuda for b in base.values())
+    assert any(".quant." in n for n in base) == (quantize != "none")
     history = [trainer.train_step() for _ in range(30)]
     assert history[-1].loss < history[0].loss - 0.5
     for name, param in trainer.model.named_parameters():
@@ -180,6 +185,9 @@ def test_lora_learns_on_cuda_with_a_frozen_bf16_base(tmp_path, checkpointing):
             assert param.dtype == torch.float32, name
         else:
             assert torch.equal(param, base[name]), name
+    for name, buffer in trainer.model.named_buffers():
+        if ".quant." in name:
+            assert torch.equal(buffer, base[name]), name
     stateful = {id(p) for p, s in trainer.optimizer.state.items() if s}
     adapters = {id(p) for n, p in trainer.model.named_parameters() if ".lora_" in n}
     assert stateful == adapters

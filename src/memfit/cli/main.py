@@ -127,6 +127,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rslora", action="store_true", default=None, help="scale by alpha / sqrt(rank)"
     )
+    p.add_argument(
+        "--quantize-base",
+        choices=["none", "nf4", "int8"],
+        help="QLoRA: keep the frozen base in 4-bit NF4 (or int8); needs --lora-rank",
+    )
     p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out")
@@ -311,6 +316,7 @@ _TRAIN_FLAGS = {
     "lora_dropout": ("lora", "dropout"),
     "lora_targets": ("lora", "targets"),
     "rslora": ("lora", "rslora"),
+    "quantize_base": ("lora", "quantize"),
     "out": ("checkpoint", "out"),
     "save_every": ("checkpoint", "save_every"),
     "resume": ("checkpoint", "resume"),

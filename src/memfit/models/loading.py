@@ -361,6 +361,12 @@ def _load_memfit(
         ) from None
     model, backend = _meta_model(config, device, dtype, attention)
     lora = _lora_of_run(checkpoint)
+    if lora == "quantized":
+        raise ValueError(
+            f"{str(checkpoint)!r} is a QLoRA run's checkpoint (its base quantized): load the "
+            "base model with the run's adapters instead (RUN/adapter, in peft's format: "
+            "memfit.nn.load_peft_adapter, or peft)"
+        )
     if lora is not None:  # a LoRA run's weights: its base and adapters, merged once loaded
         from memfit.nn.lora import apply_lora
 
@@ -420,6 +426,8 @@ def _lora_of_run(checkpoint: Path):
         raise ValueError(f"{str(path)!r} is not valid TOML: {error}") from None
     if not section.get("rank"):
         return None
+    if section.get("quantize", "none") != "none":
+        return "quantized"
     return LoRASection(**section).spec()
 
 

@@ -121,7 +121,24 @@ class LoRALinear(Linear):
             {name: nn.Parameter(torch.zeros(rows, spec.rank, **kw)) for name, rows in adapted}
         )
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        self.quant = None  # a QuantizedWeight in place of `weight` (QLoRA: `quantize`)
         self.reset_adapters()
+
+    @torch.no_grad()
+    def quantize(self, kind: str, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        """Replace the frozen weight by its quantized state (memfit.nn.quant, QLoRA's base) on
+        `device` (default: the weight's); a bias stays, in `dtype`. The adapters stay where they
+        are."""
+        from memfit.nn.quant import QuantizedWeight
+
+        if self.quant is not None:
+            raise ValueError("this layer's base is already quantized")
+        self.quant = QuantizedWeight(self.weight.detach().to(device), kind, dtype)
+        del self.weight
+        self.register_parameter("weight", None)
+        if self.bias is not None:
+            bias = self.bias.detach().to(device=device, dtype=dtype)
+            self.bias = nn.Parameter(bias, requires_grad=False)
 
     @torch.no_grad()
     def reset_adapters(self, generator: torch.Generator | None = None) -> None:
@@ -151,23 +168,32 @@ class LoRALinear(Linear):
     def forward(self, x: Tensor, *, swiglu: bool = False, residual: Tensor | None = None) -> Tensor:
         """As `Linear.forward`: swiglu of the result for a fused gate/up projection, and the
         residual added."""
-        bias = None if self.bias is None else _like(self.bias, x)
-        y = F.linear(x, _like(self.weight, x), bias) + self.delta(x)
+        if self.quant is not None:
+            from memfit.nn.quant import quantized_linear
+
+            y = quantized_linear(x, self.quant, self.bias) + self.delta(x)
+        else:
+            bias = None if self.bias is None else _like(self.bias, x)
+            y = F.linear(x, _like(self.weight, x), bias) + self.delta(x)
         if swiglu:
             y = MF.swiglu(y)
         return y if residual is None else residual + y
 
     @torch.no_grad()
     def merged_weight(self) -> Tensor:
-        """W + s B A (each part's rows), in W's dtype, computed in fp32."""
-        weight = self.weight.float().clone()
+        """W + s B A (each part's rows), in W's dtype (a quantized base: its compute dtype),
+        computed in fp32."""
+        if self.quant is not None:
+            weight, dtype = self.quant.dequantize(torch.float32), self.quant.dtype
+        else:
+            weight, dtype = self.weight.float().clone(), self.weight.dtype
         at = 0
         for name, rows in self.parts:
             if name in self.lora_B:
                 update = self.lora_B[name].float() @ self.lora_A[name].float()
                 weight[at : at + rows] += self.scale * update
             at += rows
-        return weight.to(self.weight.dtype)
+        return weight.to(dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -188,22 +188,26 @@ class Trainer:
             if verdict == "warn" and self.world.is_main:
                 logger.warning("%s", message)
         self.pretrained = pretrained_directory(config.model.name)
+        # QLoRA: the base is made (or read) in CPU memory and reaches the device quantized, one
+        # weight at a time, so the whole model is never on the device in the compute dtype
+        build_on = torch.device("cpu") if config.lora.quantize != "none" else self.device
         if self.pretrained is not None:  # a Hugging Face checkpoint: start from its weights
             from memfit.models.loading import load_pretrained
 
             # LoRA keeps the frozen base in the compute dtype: read it so, never in fp32 whole
             dtype = DTYPES[self.precision] if lora is not None else torch.float32
             self.model, _ = load_pretrained(
-                self.pretrained, device=self.device, dtype=dtype, attention=attention
+                self.pretrained, device=build_on, dtype=dtype, attention=attention
             )
             logger.info("weights from %s (%s)", self.pretrained, dtype)
         else:  # (LoRA: the frozen base made in the compute dtype, as a checkpoint is read)
             self.model = build_model(
-                self.model_config, device=self.device, attention=attention, seed=train.seed,
+                self.model_config, device=build_on, attention=attention, seed=train.seed,
                 dtype=DTYPES[self.precision] if lora is not None else None,
             )  # fmt: skip
         if lora is not None:
             self._apply_lora(lora)
+        self.model.to(self.device)
         if train.master_weights == "none":  # the parameters are the bf16 weights themselves
             if self.precision != "bf16":
                 raise ConfigError(
@@ -276,13 +280,24 @@ class Trainer:
         from memfit.nn.lora import apply_lora
 
         layers = apply_lora(self.model, spec)
-        generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
+        where = next(iter(layers.values())).weight.device  # (QLoRA: still in CPU memory)
+        generator = torch.Generator(device=where).manual_seed(self.config.train.seed)
         for layer in layers.values():
             layer.reset_adapters(generator)
         compute = DTYPES[self.precision]
         for param in self.model.parameters():
             if not param.requires_grad:
                 param.data = param.data.to(compute)
+        kind = self.config.lora.quantize
+        if kind != "none":  # QLoRA: the blocks' linear weights quantized, one at a time
+            from memfit.nn.quant import quantize_model
+
+            try:
+                stored = quantize_model(self.model, kind, dtype=compute, device=self.device)
+            except ValueError as error:
+                raise ConfigError(f"--quantize-base {kind}: {error}") from None
+            logger.info("base quantized to %s: the blocks' linear weights take %.2f GiB",
+                        kind, stored / 2**30)  # fmt: skip
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.model.parameters())
         logger.info(
@@ -452,6 +467,7 @@ class Trainer:
         sharded = self.world.distributed or self.config.distributed.offload != "none"
         if self.config.lora.rank:  # the frozen base in the compute dtype; state for adapters
             base = 4 if self.precision == "fp32" else 2
+            base = {"nf4": 0.52, "int8": 1.0}.get(self.config.lora.quantize, base)
             trainable = self._lora_trainable()
             return int(params * base + trainable * (4 + state)) + (1 << 20)
         return int(params * (weights + state + (4 if sharded else 0))) + (1 << 20)

@@ -1,0 +1,134 @@
+"""Frozen linear layers over quantized weights (QLoRA's base): NF4 with double-quantized scales
+or int8 per row (memfit.ops.quant), dequantized to the compute dtype for each product.
+
+    quantize_model(model, "nf4", dtype=torch.bfloat16)   # every linear layer of the blocks
+
+`QuantizedWeight` holds a weight's quantized state as buffers (saved with the model);
+`quantized_linear` is y = x W^T (+ b) with W dequantized in the forward, and again in the
+backward for the input's gradient: autograd keeps no dequantized copy of W between the two,
+only x's gradient flows (W is frozen), and nothing of x is saved. A `LoRALinear` whose base is
+quantized (`LoRALinear.quantize`) adds its adapters' update to this product.
+
+The dequantization runs in PyTorch for now (one weight at a time: the transient is one layer's
+weight in the compute dtype); a Triton kernel that dequantizes inside the matrix product is
+the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from memfit import functional as MF
+from memfit.nn.linear import Linear
+from memfit.ops.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+
+Kind = Literal["nf4", "int8"]
+
+
+class QuantizedWeight(nn.Module):
+    """An (out, in) weight, quantized; `dequantize()` gives it back in the compute dtype."""
+
+    def __init__(self, weight: Tensor, kind: Kind, dtype: torch.dtype) -> None:
+        super().__init__()
+        if kind not in ("nf4", "int8"):
+            raise ValueError(f"quantize to 'nf4' or 'int8', got {kind!r}")
+        self.kind, self.dtype = kind, dtype
+        self.shape = tuple(weight.shape)
+        state = quantize_nf4(weight) if kind == "nf4" else quantize_int8(weight)
+        for name, tensor in state.items():
+            self.register_buffer(name, tensor)
+
+    def state(self) -> dict[str, Tensor]:
+        return dict(self.named_buffers(recurse=False))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        dtype = dtype or self.dtype
+        state = self.state()
+        if self.kind == "nf4":
+            return dequantize_nf4(state, self.shape, dtype)
+        return dequantize_int8(state, dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state().values())
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, shape={self.shape}, {self.nbytes() / 2**20:.2f} MiB"
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, quantized: QuantizedWeight, bias: Tensor | None) -> Tensor:
+        ctx.quantized = quantized
+        return F.linear(x, quantized.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        weight = ctx.quantized.dequantize(grad.dtype)
+        return grad @ weight, None, None
+
+
+def quantized_linear(x: Tensor, quantized: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """x W^T (+ b) for a frozen quantized W, in the compute dtype (autocast's, else x's)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            return _QuantizedLinear.apply(x, quantized, bias)
+    bias = bias.to(x.dtype) if bias is not None else None
+    return _QuantizedLinear.apply(x, quantized, bias)
+
+
+class QuantLinear(nn.Module):
+    """A frozen linear layer over a quantized weight; its bias (if any) frozen in `dtype`."""
+
+    def __init__(
+        self, base: Linear, kind: Kind, dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
+        """device: where the quantized weight lives (default: the base's)."""
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.quant = QuantizedWeight(base.weight.detach().to(device), kind, dtype)
+        self.bias = None
+        if base.bias is not None:
+            bias = base.bias.detach().to(device=device, dtype=dtype)
+            self.bias = nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor, *, swiglu: bool = False, residual: Tensor | None = None) -> Tensor:
+        y = quantized_linear(x, self.quant, self.bias)
+        if swiglu:
+            y = MF.swiglu(y)
+        return y if residual is None else residual + y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module, kind: Kind, *, dtype: torch.dtype, device: torch.device | None = None
+) -> int:
+    """Quantize the weight of every linear layer inside the blocks (`model.layers`; the
+    embedding and the output head stay as they are): a plain `Linear` becomes a `QuantLinear`,
+    a `LoRALinear` keeps its adapters over a quantized base. Each weight goes to `device`
+    (default: where it is), is quantized there and its full-precision copy freed before the next:
+    a model held in CPU memory reaches the GPU quantized, never whole. Returns the bytes the
+    quantized weights take."""
+    from memfit.nn.lora import LoRALinear
+
+    total = 0
+    for path, module in list(model.layers.named_modules(prefix="layers")):
+        if isinstance(module, LoRALinear):
+            module.quantize(kind, dtype, device)
+            total += module.quant.nbytes()
+        elif type(module) is Linear:
+            layer = QuantLinear(module, kind, dtype, device)
+            parent, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent), attr, layer)
+            total += layer.quant.nbytes()
+    return total
