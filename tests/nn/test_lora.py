@@ -192,10 +192,13 @@ def test_an_adapter_of_another_model_is_refused_and_the_model_stays_its_base(tmp
     other = build_model(
         PRESETS["tiny"].replace(hidden_size=2 * PRESETS["tiny"].hidden_size), device="cpu"
     )
-    names = set(other.state_dict())
+    other.requires_grad_(False)
+    before = {name: id(p) for name, p in other.named_parameters()}
     with pytest.raises(ValueError, match="does not fit this model: .*lora_A.weight is"):
         load_peft_adapter(other, tmp_path / "adapter")
-    assert not lora_layers(other) and set(other.state_dict()) == names
+    assert not lora_layers(other) and not hasattr(other, "lora_spec")
+    assert {name: id(p) for name, p in other.named_parameters()} == before  # the same tensors
+    assert not any(p.requires_grad for p in other.parameters())
     (tmp_path / "adapter" / "adapter_config.json").write_text(
         json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"], "use_dora": True})
     )

@@ -92,8 +92,12 @@ def test_training_from_a_hugging_face_checkpoint_starts_from_its_weights(tmp_pat
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     hf.save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match="has no tokenizer.json: pass the tokenizer"):
+        make(tmp_path, "refused", steps=3, model=tmp_path / "base")
+    _word_tokenizer(tmp_path / "base", 300)
     trainer = make(tmp_path, steps=3, model=tmp_path / "base")
-    assert trainer.pretrained == tmp_path / "base"
+    assert trainer.pretrained == (tmp_path / "base").resolve()
+    assert trainer.config.data.tokenizer == str(trainer.pretrained)  # the model's own
     tokens = torch.randint(0, 300, (2, 13))
     trainer.model.eval()
     with torch.no_grad():  # B is zero: the model is the checkpoint's
@@ -110,6 +114,9 @@ def test_training_from_a_hugging_face_checkpoint_starts_from_its_weights(tmp_pat
                  "fp32"]) == 0  # fmt: skip
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert exported.config.model_type == "llama" and exported.config.vocab_size == 300
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (
+        tmp_path / "base" / "tokenizer.json"
+    ).read_bytes()
     trainer.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(
@@ -146,3 +153,24 @@ def test_export_of_a_preset_run_writes_its_config(tmp_path):
 def test_bad_lora_settings_are_refused(sections, message):
     with pytest.raises(ValueError, match=message):
         build_config(flags=sections)
+
+
+def _word_tokenizer(directory, vocab):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab - 1)} | {"</s>": vocab - 1}  # (packing needs EOS)
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def test_a_checkpoint_directory_with_pickled_weights_only_is_refused(tmp_path):
+    directory = tmp_path / "pickled"
+    directory.mkdir()
+    (directory / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 300, "hidden_size": 48, "num_hidden_layers": 2,'
+        ' "num_attention_heads": 6, "intermediate_size": 80}'
+    )
+    (directory / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="pytorch_model.bin, which memfit does not read"):
+        make(tmp_path, model=directory)

@@ -20,7 +20,8 @@ from memfit.models.config import to_hf_config
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _BASE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "generation_config.json",
+    "generation_config.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
+    "vocab.json", "merges.txt",
 )  # fmt: skip
 
 
@@ -31,13 +32,18 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
     model, info = load_pretrained(path, device="cpu", dtype=_DTYPES[dtype])
     if info.format != "memfit":
         raise ValueError(f"{path!r} is already a Hugging Face checkpoint; nothing to export")
-    base = _base_directory(info.path)
-    hf_config = to_hf_config(info.config, {"bf16": "bfloat16", "fp16": "float16",
-                                           "fp32": "float32"}[dtype])  # fmt: skip
+    base, recorded = _base_directory(info.path)
+    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    hf_config = to_hf_config(info.config, name)
+    generation = info.generation
+    if generation.eos_token_ids:
+        eos = list(generation.eos_token_ids)
+        hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if generation.bos_token_id is not None:
+        hf_config["bos_token_id"] = generation.bos_token_id
     if base is not None:  # the base's own config: its token ids, model type and extras
-        hf_config = json.loads((base / "config.json").read_text()) | {
-            "torch_dtype": hf_config["torch_dtype"]
-        }
+        hf_config = json.loads((base / "config.json").read_text())
+    hf_config |= {"torch_dtype": name, "dtype": name}  # (transformers 4 and 5 read one each)
     weights = get_family(info.config.family).to_hf_state_dict(model)
     from safetensors.torch import save_file
 
@@ -51,10 +57,14 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
     )
     (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     copied = []
-    for name in _BASE_FILES if base is not None else ():
-        if (base / name).is_file():
-            shutil.copy2(base / name, partial / name)
-            copied.append(name)
+    for file in _BASE_FILES if base is not None else ():
+        if (base / file).is_file():
+            shutil.copy2(base / file, partial / file)
+            copied.append(file)
+    tokenizer = _run_tokenizer(info.path)
+    if not copied and tokenizer is not None:  # a run's own tokenizer.json
+        shutil.copy2(tokenizer, partial / "tokenizer.json")
+        copied.append("tokenizer.json")
     if destination.exists():
         destination.rmdir()
     partial.rename(destination)
@@ -62,21 +72,44 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
     console.print(
         f"exported [cyan]{escape(str(info.path))}[/] (step {info.step}){merged} to "
         f"[cyan]{escape(str(destination))}[/]: {len(weights)} tensors in {dtype}"
-        + (f", {', '.join(copied)} from the base" if copied else ", no tokenizer files (the run "
-           "did not start from a Hugging Face checkpoint)"),
+        + (f", {', '.join(copied)}" if copied else ", no tokenizer files (the run used "
+           "memfit's byte tokenizer)"),
         highlight=False,
     )  # fmt: skip
+    if recorded and base is None:
+        console.print(
+            f"[yellow]warning[/]: the run started from {escape(recorded)!r}, which is no longer "
+            "a Hugging Face checkpoint here: its tokenizer and config extras were not copied",
+            highlight=False,
+        )
     return 0
 
 
-def _base_directory(checkpoint: Path) -> Path | None:
-    """The Hugging Face checkpoint a run started from (its config.toml's model.name), if it is
-    one and is still there."""
+def _run_config(checkpoint: Path) -> dict:
     from memfit.config import tomllib
-    from memfit.train.engine import pretrained_directory
 
     path = checkpoint / "config.toml"
-    if not path.is_file():
-        return None
-    name = tomllib.loads(path.read_text()).get("model", {}).get("name", "")
-    return pretrained_directory(name) if name else None
+    return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
+def _base_directory(checkpoint: Path) -> tuple[Path | None, str]:
+    """The Hugging Face checkpoint a run started from (its config.toml's model.name) if it is
+    one and is still there, and the name recorded."""
+    from memfit.models.config import PRESETS
+    from memfit.train.engine import pretrained_directory
+
+    name = _run_config(checkpoint).get("model", {}).get("name", "")
+    if not name or name in PRESETS:
+        return None, ""
+    try:
+        return pretrained_directory(name), name
+    except ValueError:
+        return None, name
+
+
+def _run_tokenizer(checkpoint: Path) -> Path | None:
+    """The tokenizer.json a run trained with (--tokenizer), if it is one and is there."""
+    name = _run_config(checkpoint).get("data", {}).get("tokenizer", "byte")
+    path = Path(name)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    return path if name != "byte" and path.is_file() else None

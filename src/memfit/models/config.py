@@ -333,13 +333,14 @@ def from_hf_config(path: str | Path) -> ModelConfig:
 
 
 def to_hf_config(config: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
-    """A Hugging Face config.json for `config`: Mistral with a sliding window, Qwen2 with qkv
-    biases (its output projection has none, unlike Llama's attention_bias), Llama otherwise."""
+    """A Hugging Face config.json for `config`: Qwen2 with qkv biases (its output projection has
+    none, unlike Llama's attention_bias; its window, if any, on every layer), Mistral with a
+    sliding window, Llama otherwise."""
     model_type, arch = "llama", "LlamaForCausalLM"
-    if config.sliding_window is not None:
-        model_type, arch = "mistral", "MistralForCausalLM"
-    elif config.qkv_bias:
+    if config.qkv_bias:
         model_type, arch = "qwen2", "Qwen2ForCausalLM"
+    elif config.sliding_window is not None:
+        model_type, arch = "mistral", "MistralForCausalLM"
     hf: dict[str, Any] = {
         "architectures": [arch], "model_type": model_type, "hidden_act": "silu",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
@@ -358,7 +359,10 @@ def to_hf_config(config: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]
     if model_type == "mistral":
         hf["sliding_window"] = config.sliding_window
     if model_type == "qwen2":
-        hf["use_sliding_window"] = False
+        hf["use_sliding_window"] = config.sliding_window is not None
+        if config.sliding_window is not None:
+            hf["sliding_window"] = config.sliding_window
+            hf["max_window_layers"] = 0  # (layers from this index on slide: all of them)
     return hf
 
 

@@ -428,7 +428,10 @@ def _lora_of_run(checkpoint: Path):
         return None
     if section.get("quantize", "none") != "none":
         return "quantized"
-    return LoRASection(**section).spec()
+    try:
+        return LoRASection(**section).spec()
+    except TypeError as error:
+        raise ValueError(f"{str(path)!r}: its [lora] section is not memfit's: {error}") from None
 
 
 # -- the shared path: meta model -> checked headers -> tensors in dtype on device ------------

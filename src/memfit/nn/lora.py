@@ -120,6 +120,8 @@ class LoRALinear(Linear):
         self.lora_B = nn.ParameterDict(
             {name: nn.Parameter(torch.zeros(rows, spec.rank, **kw)) for name, rows in adapted}
         )
+        # one dropout mask for the input of all of a fused layer's adapters (peft, with separate
+        # q, k, v layers, draws one per projection): the same expectation, correlated noise
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
         self.quant = None  # a QuantizedWeight in place of `weight` (QLoRA: `quantize`)
         self.reset_adapters()
@@ -353,6 +355,7 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> LoRASpec:
     from safetensors.torch import load_file
 
     spec = read_peft_config(directory)
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     weights = Path(directory) / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"no {ADAPTER_WEIGHTS} in {str(directory)!r}")
@@ -364,8 +367,16 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> LoRASpec:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     wrong = [k for k in expected if k in found and found[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        merge_lora(model)  # (nothing half-applied: the model is its base again)
+    if missing or unexpected or wrong:  # nothing half-applied: the model is as it was
+        for path, layer in lora_layers(model).items():
+            plain = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                           device="meta")  # fmt: skip
+            plain.weight, plain.bias = layer.weight, layer.bias
+            parent, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent), attr, plain)
+        for name, param in model.named_parameters():
+            param.requires_grad_(trainable[name])
+        del model.lora_spec
         problems = []
         if missing:
             problems.append(f"missing {len(missing)} tensors ({missing[0]}, ...)")

@@ -21,6 +21,7 @@ same signal again ends the process at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -89,7 +90,15 @@ def pretrained_directory(name: str) -> Path | None:
     if not (path.is_dir() and (path / "config.json").is_file()):
         return None
     weights = ("model.safetensors", "model.safetensors.index.json")
-    return path if any((path / w).is_file() for w in weights) else None
+    if any((path / w).is_file() for w in weights):
+        return path.resolve()
+    pickled = sorted(p.name for p in (*path.glob("*.bin"), *path.glob("*.pt*")))
+    if pickled:  # weights, but none memfit reads: refused rather than trained from random ones
+        raise ConfigError(
+            f"{name!r} holds its weights as {pickled[0]}, which memfit does not read (a pickle "
+            "runs code when loaded): convert them with transformers' save_pretrained"
+        )
+    return None
 
 
 def default_run_dir(model_name: str) -> str:
@@ -133,6 +142,21 @@ class Trainer:
         torch.manual_seed(train.seed)
 
         self.model_config = load_model_config(config.model.name)
+        self.pretrained = pretrained_directory(config.model.name)
+        if self.pretrained is not None:  # recorded absolute: export and adapters find it later
+            model = dataclasses.replace(config.model, name=str(self.pretrained))
+            config = self.config = dataclasses.replace(config, model=model)
+        if self.pretrained is not None and config.data.tokenizer == "byte":
+            # a pretrained model is fine-tuned on its own tokenizer unless told otherwise
+            if not any((self.pretrained / f).is_file() for f in ("tokenizer.json",)):
+                raise ConfigError(
+                    f"{config.model.name!r} has no tokenizer.json: pass the tokenizer its weights "
+                    "were trained with (--tokenizer path/to/tokenizer.json)"
+                )
+            config = self.config = dataclasses.replace(
+                config, data=dataclasses.replace(config.data, tokenizer=str(self.pretrained))
+            )
+            logger.info("tokenizer of %s", self.pretrained)
         check_seq_len(self.model_config, config.data.seq_len, error=ConfigError)
         self.heartbeat = (
             launch.Heartbeat(self.world, deadline_s=config.distributed.heartbeat_s)
@@ -187,7 +211,6 @@ class Trainer:
                 raise ConfigError(message)
             if verdict == "warn" and self.world.is_main:
                 logger.warning("%s", message)
-        self.pretrained = pretrained_directory(config.model.name)
         # QLoRA: the base is made (or read) in CPU memory and reaches the device quantized, one
         # weight at a time, so the whole model is never on the device in the compute dtype
         build_on = torch.device("cpu") if config.lora.quantize != "none" else self.device

@@ -108,12 +108,14 @@ def build_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.listen(asyncio.get_running_loop())
         # what start-up left (the app, the tokenizer, the libraries) is kept out of the
         # collector's full passes, which would scan it all and hold every stream up now and then
         gc.collect()
         gc.freeze()
-        yield
+        try:
+            yield
+        finally:
+            gc.unfreeze()  # (a server in a thread of a longer-lived process: its garbage again)
 
     app = FastAPI(title="memfit", version="0.1.0", lifespan=lifespan)
 

@@ -9,10 +9,8 @@ the handlers that wait for them on the server's event loop.
         ...                                                     # new tokens, then the finish
 
 The event loop never waits on the engine: it posts ("add", ...) and ("abort", ...) messages,
-which the engine takes between steps. Each step's tokens come back in one message: from an
-engine process the event loop reads it itself when the pipe turns readable (`listen`; no thread
-in between that would wait for the interpreter's lock while the loop writes events), from an
-engine thread in one `call_soon_threadsafe`. A handler that stops listening (its client went away) aborts
+which the engine takes between steps, and a receiving thread hands each step's tokens to the
+loop in one `call_soon_threadsafe`. A handler that stops listening (its client went away) aborts
 its request, which frees its blocks at the next step boundary. At most `max_waiting` requests
 may wait for a slot; past that `generate` raises QueueFull (the server answers 429) instead of
 letting the queue grow without bound.
@@ -161,7 +159,7 @@ class AsyncEngine:
         self._worker = threading.Thread(target=self._core.run, name="memfit-engine", daemon=True)
         self._state = self._core.state()
         self._update_gauges(self._state)
-        self._from_engine: Connection | None = None
+        self._receiver: threading.Thread | None = None
         self._process, self.handles = None, []
 
     @classmethod
@@ -236,6 +234,9 @@ class AsyncEngine:
             target=_forward, args=(outgoing, handle.to_engine), name="memfit-to-engine",
             daemon=True,
         )  # fmt: skip
+        self._receiver = threading.Thread(
+            target=self._receive_all, name="memfit-from-engine", daemon=True
+        )
         return self
 
     def _setup(self, texts: Texts, limits: Limits, max_waiting: int) -> None:
@@ -249,35 +250,28 @@ class AsyncEngine:
         self._leaders: dict[object, _Sink] = {}  # the first sample of each group (event loop)
         self._added = 0  # requests posted to the engine
         self._stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the pipe
         self.error: BaseException | None = None
 
     # -- the event loop's side --------------------------------------------------------------
 
     def start(self) -> None:
-        if self._from_engine is None:
+        if self._receiver is None:
             self._core.attach(self._inbox)
         self._worker.start()
-
-    def listen(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the engine process's messages on `loop`, the server's event loop, whenever its
-        pipe turns readable (the app does this at start-up; the first `generate` otherwise). An
-        engine thread needs nothing: it hands its messages over itself."""
-        if self._from_engine is None or self._loop is not None:
-            return
-        self._loop = loop
-        loop.add_reader(self._from_engine.fileno(), self._readable)
+        if self._receiver is not None:
+            self._receiver.start()
 
     def stop(self) -> None:
         """Stop the engine; an HTTP process that only `connect`ed leaves it to the others."""
         self._stopping = True
-        owner = self._from_engine is None or self._process is not None
+        owner = self._receiver is None or self._process is not None
         self._post(("stop",) if owner else _LEAVE)
         self._worker.join(timeout=30)
-        if self._process is not None:
+        if self._process is not None:  # (then its pipe closes, and the receiver ends)
             self._process.join(timeout=30)
             if self._process.is_alive():
                 self._process.terminate()
+            self._receiver.join(timeout=10)
 
     @property
     def state(self) -> EngineState:
@@ -286,9 +280,9 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        """Whether the engine still serves (an engine process that died is noticed by the
-        process that started it at once, by the others when their pipe closes)."""
         alive = self._worker.is_alive()
+        if self._receiver is not None:
+            alive = alive and self._receiver.is_alive()
         if self._process is not None:
             alive = alive and self._process.is_alive()
         return alive and self.error is None
@@ -307,10 +301,7 @@ class AsyncEngine:
         the loop early (a client that went away) aborts the request. `group`: a key shared by
         the samples of one prompt (a request's `n`): they share the prompt's KV blocks."""
         self.check(prompt, params)
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self.listen(loop)
-        sink = _Sink(loop)
+        sink = _Sink(asyncio.get_running_loop())
         key = sink.key = next(self._keys)
         follows = None
         if group is not None:
@@ -333,19 +324,19 @@ class AsyncEngine:
                 self._post(("abort", key))
                 self.metrics.finished.labels("abort").inc()
 
-    # -- what the engine sends back (on the engine thread, or on the loop that listens) ------
+    # -- what the engine sends back (on the engine thread, or the receiving thread) ---------
 
-    def _readable(self) -> None:
+    def _receive_all(self) -> None:
         connection = self._from_engine
-        try:
-            while connection.poll():
-                self._receive(connection.recv())
-        except (EOFError, OSError):
-            self._loop.remove_reader(connection.fileno())
-            if not self._stopping:
-                process = self._process
-                code = f" (code {process.exitcode})" if process is not None else ""
-                self._receive(("error", f"the engine process exited{code}"))
+        while True:
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    code = f" (code {self._process.exitcode})" if self._process is not None else ""
+                    self._receive(("error", f"the engine process exited{code}"))
+                return
+            self._receive(message)
 
     def _receive(self, message: tuple) -> None:
         if message[0] == "error":
@@ -378,16 +369,12 @@ class AsyncEngine:
         self._dispatch(pushes)
 
     def _dispatch(self, pushes: list[tuple[_Sink, Update | BaseException]]) -> None:
-        """The updates to their sinks: at once on the loop that listens (this runs on it), else
-        one wake-up of each event loop for all its sinks' updates."""
+        """One wake-up of each event loop for all its sinks' updates."""
         loops: dict[asyncio.AbstractEventLoop, list] = {}
         for sink, update in pushes:
             loops.setdefault(sink.loop, []).append((sink, update))
         for loop, batch in loops.items():
-            if loop is self._loop:
-                _push_all(batch)
-            else:
-                loop.call_soon_threadsafe(_push_all, batch)
+            loop.call_soon_threadsafe(_push_all, batch)
 
     def _update_gauges(self, state: EngineState) -> None:
         metrics = self.metrics
