@@ -324,7 +324,7 @@ class Trainer:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.model.parameters())
         logger.info(
-            "LoRA rank %d on %s of %d layers: %s trainable parameters of %s (%.2f%%)",
+            "LoRA rank %d on %s (%d linear layers): %s trainable parameters of %s (%.2f%%)",
             spec.rank, ", ".join(spec.names), len(layers), f"{trainable:,}", f"{total:,}",
             100 * trainable / total,
         )  # fmt: skip
