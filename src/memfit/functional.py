@@ -21,6 +21,7 @@ from memfit.ops.attention import (
 )
 from memfit.ops.attention.paged import paged_attention
 from memfit.ops.cross_entropy import linear_cross_entropy
+from memfit.ops.distill import linear_distillation_loss
 from memfit.ops.gemv import gemv
 from memfit.ops.rms_norm import add_rms_norm, rms_norm
 from memfit.ops.rotary import apply_rotary, apply_rotary_qk, rotary_cos_sin
@@ -37,6 +38,7 @@ __all__ = [
     "flash_attention_varlen",
     "linear",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "register_attention_backend",
     "resolve_attention",
     "rms_norm",

@@ -1,0 +1,102 @@
+"""The fused linear distillation loss (memfit.ops.distill): loss and gradients equal an unfused
+reference (KL and JSD, temperatures, alpha, ignored rows, odd shapes, chunks that do not divide
+the rows); no (N, vocab) tensor is ever made; bad arguments are refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memfit.functional import linear_distillation_loss
+
+
+def reference(hidden, weight, teacher_hidden, teacher_weight, targets, alpha, temperature, kind):
+    s, t = hidden @ weight.T, teacher_hidden @ teacher_weight.T
+    keep = targets != -100
+    ce = F.cross_entropy(s, targets, ignore_index=-100, reduction="sum")
+    log_q, log_p = F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1)
+    if kind == "kl":
+        soft = (log_p.exp() * (log_p - log_q)).sum(-1)
+    else:
+        m = (log_p.exp() + log_q.exp()) / 2
+        soft = 0.5 * (F.kl_div(m.log(), log_p, log_target=True, reduction="none").sum(-1)
+                      + F.kl_div(m.log(), log_q, log_target=True, reduction="none").sum(-1))  # fmt: skip
+    return (1 - alpha) * ce + alpha * temperature**2 * (soft * keep).sum()
+
+
+def case(dtype, n=37, d=24, d_t=40, vocab=103, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(vocab, d, generator=g, dtype=dtype) / d**0.5).requires_grad_()
+    teacher_hidden = torch.randn(n, d_t, generator=g, dtype=dtype)
+    teacher_weight = torch.randn(vocab, d_t, generator=g, dtype=dtype) / d_t**0.5
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[::5] = -100
+    return hidden, weight, teacher_hidden, teacher_weight, targets
+
+
+@pytest.mark.parametrize("kind", ["kl", "jsd"])
+@pytest.mark.parametrize("alpha, temperature", [(0.5, 1.0), (1.0, 2.5), (0.0, 1.0), (0.3, 0.7)])
+def test_loss_and_gradients_equal_the_unfused_reference(kind, alpha, temperature):
+    inputs = case(torch.float64)
+    expected = reference(*inputs, alpha, temperature, kind)
+    expected_grads = torch.autograd.grad(expected, inputs[:2])
+    loss = linear_distillation_loss(*inputs, alpha=alpha, temperature=temperature, kind=kind,
+                                    chunk_size=8)  # fmt: skip
+    grads = torch.autograd.grad(loss * 0.5, inputs[:2])
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, 0.5 * want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("kind", ["kl", "jsd"])
+def test_fp32_error_within_twice_pytorchs_own(kind):
+    exact = case(torch.float64, n=64, vocab=257)
+    want = reference(*exact, 0.5, 2.0, kind)
+    want_grads = torch.autograd.grad(want, exact[:2])
+    single = [t.detach().float().requires_grad_(t.requires_grad) for t in exact[:4]] + [exact[4]]
+    ours = linear_distillation_loss(*single, alpha=0.5, temperature=2.0, kind=kind, chunk_size=16)
+    ours_grads = torch.autograd.grad(ours, single[:2])
+    torch_loss = reference(*single, 0.5, 2.0, kind)
+    torch_grads = torch.autograd.grad(torch_loss, single[:2])
+    assert abs(ours.double() - want) <= 2 * abs(torch_loss.double() - want) + 1e-6 * abs(want)
+    for mine, theirs, truth in zip(ours_grads, torch_grads, want_grads, strict=True):
+        error = (mine.double() - truth).abs().max()
+        assert error <= 2 * (theirs.double() - truth).abs().max() + 1e-7
+
+
+class LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_rows_by_vocabulary_tensor_is_made():
+    n, d, vocab, chunk = 256, 16, 101, 8
+    inputs = case(torch.float32, n=n, d=d, d_t=d, vocab=vocab)
+    with LargestTensor() as mode:
+        loss = linear_distillation_loss(*inputs, chunk_size=chunk)
+        loss.backward()
+    assert mode.largest <= max(chunk * vocab, vocab * d, n * d)  # not n * vocab = 25,856
+    assert mode.largest < n * vocab // 4
+
+
+def test_bad_arguments_are_refused():
+    inputs = case(torch.float32)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        linear_distillation_loss(*inputs, alpha=1.5)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        linear_distillation_loss(*inputs, temperature=0)
+    with pytest.raises(ValueError, match="kind must be"):
+        linear_distillation_loss(*inputs, kind="mse")
+    hidden, weight, teacher_hidden, teacher_weight, targets = inputs
+    with pytest.raises(ValueError, match="same 37 rows over the same vocabulary of 103"):
+        linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight[:50], targets)
