@@ -305,6 +305,29 @@ class LoRASection(_Section):
 
 
 @dataclass(kw_only=True)
+class DistillSection(_Section):
+    """Distillation from a teacher (memfit.train.distill); no teacher: plain cross-entropy."""
+
+    teacher: str = ""
+    """A Hugging Face or memfit checkpoint directory with the student's vocabulary."""
+    alpha: float = 0.5
+    """The distillation term's weight; 1 - alpha is the cross-entropy's."""
+    temperature: float = 1.0
+    kind: Literal["kl", "jsd"] = "kl"
+    teacher_quantize: Literal["none", "nf4", "int8"] = "none"
+    """Keep the teacher's linear layers in NF4 or int8 (its memory: 4.13 or 8 bits a weight)."""
+
+    def validate(self) -> None:
+        check_between("distill.alpha", self.alpha, 0, 1)
+        if not self.temperature > 0:
+            raise ValueError(f"distill.temperature must be > 0, got {self.temperature!r}")
+        if self.teacher and not Path(self.teacher).is_dir():
+            raise FileNotFoundError(
+                f"distill.teacher = {self.teacher!r} is not a checkpoint directory"
+            )
+
+
+@dataclass(kw_only=True)
 class DistributedSection(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     offload: Literal["none", "optimizer", "params"] = "none"
@@ -329,6 +352,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     lora: LoRASection = field(default_factory=LoRASection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     def __post_init__(self) -> None:
         check_parallelism(
@@ -407,6 +431,7 @@ _SECTIONS = {
     "checkpoint": CheckpointSection,
     "distributed": DistributedSection,
     "lora": LoRASection,
+    "distill": DistillSection,
 }
 _SECTION_NAMES = {cls.__name__: name for name, cls in _SECTIONS.items()}
 

@@ -132,6 +132,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         choices=["none", "nf4", "int8"],
         help="QLoRA: keep the frozen base in 4-bit NF4 (or int8); needs --lora-rank",
     )
+    p.add_argument(
+        "--teacher", help="distill from this checkpoint directory (same vocabulary as --model)"
+    )
+    p.add_argument("--distill-alpha", type=float, help="distillation weight (default 0.5)")
+    p.add_argument("--distill-temperature", type=float, help="softmax temperature (default 1)")
+    p.add_argument("--distill-kind", choices=["kl", "jsd"])
+    p.add_argument("--teacher-quantize", choices=["none", "nf4", "int8"])
     p.add_argument("--out", help="run directory (default runs/<model>-<date>-<time>)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out")
@@ -317,6 +324,11 @@ _TRAIN_FLAGS = {
     "lora_targets": ("lora", "targets"),
     "rslora": ("lora", "rslora"),
     "quantize_base": ("lora", "quantize"),
+    "teacher": ("distill", "teacher"),
+    "distill_alpha": ("distill", "alpha"),
+    "distill_temperature": ("distill", "temperature"),
+    "distill_kind": ("distill", "kind"),
+    "teacher_quantize": ("distill", "teacher_quantize"),
     "out": ("checkpoint", "out"),
     "save_every": ("checkpoint", "save_every"),
     "resume": ("checkpoint", "resume"),

@@ -76,7 +76,7 @@ class LinearDistillationFunction(torch.autograd.Function):
         ignore_index: int,
     ) -> Tensor:  # fmt: skip
         dtype = hidden.dtype if hidden.dtype == torch.float64 else torch.float32
-        w, w_t = weight.to(dtype), teacher_weight.to(dtype)
+        w = weight.to(dtype)  # (the student's fp32 master weight: no copy)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
@@ -84,8 +84,8 @@ class LinearDistillationFunction(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(dtype)
             s = h @ w.T
-            with torch.no_grad():
-                t = teacher_hidden[rows].to(dtype) @ w_t.T
+            with torch.no_grad():  # in the teacher's dtype: no fp32 copy of its (V, d_t) weight
+                t = (teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).to(dtype)
             chunk_loss, grad_s = _chunk_loss_and_grad(
                 s, t, targets[rows], alpha, temperature, kind, ignore_index
             )

@@ -257,6 +257,10 @@ class Trainer:
             offload_activations=self.activation_offload,
         )
 
+        self.loss_model: torch.nn.Module = self.model
+        if config.distill.teacher:
+            self.loss_model = self._distillation()
+
         # 6. the optimizer side (ZeRO-sharded across ranks, or offloaded), schedule, loss scaler
         self.zero: ZeroOptimizer | None = None
         if offload != "none" and (threads := launch.use_host_threads()):
@@ -296,6 +300,43 @@ class Trainer:
         self.resumed_from: Path | None = None
         if self.resume_from is not None:
             self._resume(*self.resume_from)
+
+    def _distillation(self) -> torch.nn.Module:
+        """The student (self.model) against the configured teacher, which is loaded in the
+        compute dtype (or quantized) for inference only."""
+        from memfit.models.loading import load_pretrained
+        from memfit.train.distill import Distillation
+
+        distill = self.config.distill
+        kind = distill.teacher_quantize
+        teacher, info = load_pretrained(
+            distill.teacher, device="cpu" if kind != "none" else self.device,
+            dtype=DTYPES[self.precision],
+        )  # fmt: skip
+        if info.config.vocab_size != self.model_config.vocab_size:
+            raise ConfigError(
+                f"the teacher {distill.teacher!r} has a vocabulary of {info.config.vocab_size} "
+                f"and the student {self.model_config.vocab_size}: distillation compares their "
+                "distributions token by token, so they must share one tokenizer"
+            )
+        if kind != "none":
+            from memfit.nn.quant import quantize_model
+
+            quantize_model(teacher, kind, dtype=DTYPES[self.precision], device=self.device)
+            teacher.to(self.device)
+        teacher.requires_grad_(False)
+        teacher.eval()
+        stored = sum(t.numel() * t.element_size() for t in (*teacher.parameters(),
+                                                           *teacher.buffers()))  # fmt: skip
+        logger.info(
+            "distilling from %s (%s, %s): %.2f GiB; alpha %g, temperature %g, %s",
+            distill.teacher, info.config.name, kind if kind != "none" else self.precision,
+            stored / 2**30, distill.alpha, distill.temperature, distill.kind,
+        )  # fmt: skip
+        return Distillation(
+            self.model, teacher, alpha=distill.alpha, temperature=distill.temperature,
+            kind=distill.kind,
+        )  # fmt: skip
 
     def _apply_lora(self, spec) -> None:
         """Adapters on the targeted layers (seeded), the rest frozen and kept in the compute
@@ -670,7 +711,7 @@ class Trainer:
         start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(train.grad_accum)]
         result = train_step(
-            self.model,
+            self.loss_model,
             self.updater,
             self.scaler,
             micro_batches,

@@ -88,11 +88,13 @@ class Llama(nn.Module):
         start_pos: int = 0,
         last_only: bool = False,
         logits_at: Tensor | None = None,
+        return_hidden: bool = False,
     ) -> Tensor:
         """tokens: (batch, seqlen) ids. With `targets` (batch, seqlen; -100 where no loss): the
         summed cross-entropy. Without: logits (batch, seqlen, vocab), or (batch, 1, vocab) of the
         last position with `last_only` (a prefill needs no more), or (batch, len(logits_at), vocab)
-        at the token indices `logits_at` (a paged step: each sequence's last token). `metadata` says where the tokens
+        at the token indices `logits_at` (a paged step: each sequence's last token), or with
+        `return_hidden` the final norm's output. `metadata` says where the tokens
         are (default: positions start_pos.., plain causal attention); `kv_cache` is written at its
         positions and, when it has a key_mask, read (memfit.inference)."""
         batch, seqlen = tokens.shape
@@ -131,6 +133,8 @@ class Llama(nn.Module):
         elif logits_at is not None:
             x = x[:, logits_at]
         x = self.norm(x)
+        if return_hidden:  # the output head's input, for a loss of the caller's (distillation)
+            return x
         if targets is None:
             return MF.linear(x, self.output_weight.to(x.dtype))  # (B, T, vocab)
         return MF.linear_cross_entropy(
