@@ -360,7 +360,7 @@ def _load_memfit(
             f"{str(checkpoint / 'meta.json')!r} holds no model config memfit reads: {error}"
         ) from None
     model, backend = _meta_model(config, device, dtype, attention)
-    lora = _lora_of_run(checkpoint)
+    lora = _lora_of_run(meta, checkpoint)
     if lora == "quantized":
         raise ValueError(
             f"{str(checkpoint)!r} is a QLoRA run's checkpoint (its base quantized): load the "
@@ -413,25 +413,22 @@ def _load_memfit(
     return model, info
 
 
-def _lora_of_run(checkpoint: Path):
-    """The LoRASpec a memfit checkpoint was trained with (its config.toml's [lora]), or None."""
-    from memfit.config import LoRASection, tomllib
+def _lora_of_run(meta: dict[str, Any], checkpoint: Path):
+    """The LoRASpec a memfit checkpoint's weights were trained with (meta.json's "lora", which
+    verification covers), "quantized" for a QLoRA run, or None."""
+    from memfit.config import LoRASection
 
-    path = checkpoint / "config.toml"
-    if not path.is_file():
-        return None
-    try:
-        section = tomllib.loads(path.read_text()).get("lora", {})
-    except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"{str(path)!r} is not valid TOML: {error}") from None
-    if not section.get("rank"):
+    section = meta.get("lora")
+    if not section or not section.get("rank"):
         return None
     if section.get("quantize", "none") != "none":
         return "quantized"
     try:
         return LoRASection(**section).spec()
-    except TypeError as error:
-        raise ValueError(f"{str(path)!r}: its [lora] section is not memfit's: {error}") from None
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{str(checkpoint / 'meta.json')!r}: its LoRA settings are not memfit's: {error}"
+        ) from None
 
 
 # -- the shared path: meta model -> checked headers -> tensors in dtype on device ------------

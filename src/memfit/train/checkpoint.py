@@ -6,7 +6,8 @@ A checkpoint is a directory `RUN/checkpoints/step_000123/` holding
     trainer.pt          optimizer, LR schedule, loss scaler, data position, RNG states, step
       or trainer/       the same, sharded (ZeRO runs): torch.distributed.checkpoint files, each
                         rank's part of the optimizer state written by that rank
-    meta.json           model shape, tokenizer, step, and each file's size and SHA-256
+    meta.json           model shape, tokenizer, step, and each file's size and SHA-256 (and a
+                        LoRA run's adapter settings: what the weights file holds)
     config.toml         the run's configuration
 and `RUN/checkpoints/latest` names the newest complete one.
 
@@ -135,6 +136,7 @@ def save_checkpoint(
     weights_from_sharded: bool = False,
     expected_bytes: int = 0,
     known_good: set[str] | None = None,
+    extra_meta: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint for `step` atomically and prune all but the `keep` newest good ones.
 
@@ -178,6 +180,7 @@ def save_checkpoint(
             _write_main(
                 tmp, step, model, model_config, trainer_state, config_toml, tokenizer,
                 sharded=write_sharded is not None, weights_from_sharded=weights_from_sharded,
+                extra_meta=extra_meta,
             )  # fmt: skip
             if final.exists():  # re-saving the same step (e.g. after a resume): replace it
                 shutil.rmtree(final)
@@ -267,6 +270,7 @@ def _write_main(
     *,
     sharded: bool,
     weights_from_sharded: bool,
+    extra_meta: dict[str, Any] | None = None,
 ) -> None:
     """Rank 0's part of a save into `tmp`: the weights, trainer.pt (unless sharded), config.toml
     and meta.json with every file's size and hash; all of it flushed to disk."""
@@ -289,6 +293,7 @@ def _write_main(
         "tokenizer": tokenizer,
         "sizes": {name: f.stat().st_size for name, f in recorded.items()},
         "sha256": {name: file_sha256(f) for name, f in recorded.items()},
+        **(extra_meta or {}),
     }
     meta["meta_sha256"] = _meta_hash(meta)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))

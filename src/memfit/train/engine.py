@@ -422,6 +422,9 @@ class Trainer:
             tokenizer=self.config.data.tokenizer,
             keep=self.config.checkpoint.keep,
             write_sharded=write_sharded,
+            extra_meta={"lora": dataclasses.asdict(self.config.lora)}
+            if self.config.lora.rank
+            else None,
             is_main=self.world.is_main,
             barrier=self._barrier,
             any_rank=lambda flag: bool(launch.agree(torch.tensor(float(flag), device=self.device))),
