@@ -113,10 +113,17 @@ def test_qlora_trains_and_resumes_exactly(tmp_path):
     again = make("again")
     expected = [again.train_step().loss for _ in range(6)]
     assert [m.loss for m in second.fit()] == expected[3:]
-    with pytest.raises(ValueError, match="QLoRA run's checkpoint"):
-        from memfit.models import load_pretrained
+    # the run's checkpoint loads for inference: the base dequantized, the adapters merged
+    from memfit.models import load_pretrained
+    from memfit.nn.lora import lora_layers
 
-        load_pretrained(tmp_path / "resumed", device="cpu")
+    merged, info = load_pretrained(tmp_path / "resumed", device="cpu", dtype=torch.float32)
+    assert info.lora is not None and not lora_layers(merged)
+    assert not any(isinstance(m, QuantLinear) for m in merged.modules())
+    tokens = torch.randint(0, 256, (2, 19))
+    second.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), second.model(tokens), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="set lora.rank"):
         build_config(flags={"lora": {"quantize": "nf4"}})
 

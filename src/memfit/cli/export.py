@@ -68,7 +68,7 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
     if destination.exists():
         destination.rmdir()
     partial.rename(destination)
-    merged = " (LoRA adapters merged)" if info.lora else ""
+    merged = " (LoRA adapters merged)" if info.lora else ""  # (QLoRA: the base dequantized)
     console.print(
         f"exported [cyan]{escape(str(info.path))}[/] (step {info.step}){merged} to "
         f"[cyan]{escape(str(destination))}[/]: {len(weights)} tensors in {dtype}"

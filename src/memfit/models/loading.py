@@ -361,35 +361,32 @@ def _load_memfit(
         ) from None
     model, backend = _meta_model(config, device, dtype, attention)
     lora = _lora_of_run(meta, checkpoint)
-    if lora == "quantized":
-        raise ValueError(
-            f"{str(checkpoint)!r} is a QLoRA run's checkpoint (its base quantized): load the "
-            "base model with the run's adapters instead (RUN/adapter, in peft's format: "
-            "memfit.nn.load_peft_adapter, or peft)"
+    if lora == "quantized":  # a QLoRA run: its quantized base and its adapters, merged
+        model, lora = _load_qlora(model, checkpoint, meta, device, dtype)
+    else:
+        if lora is not None:  # a LoRA run's weights: its base and adapters, merged once loaded
+            from memfit.nn.lora import apply_lora
+
+            apply_lora(model, lora)
+        expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        _materialize(
+            model,
+            [checkpoint / "model.safetensors"],
+            {name: [(name, shape)] for name, shape in expected.items()},
+            lambda found: check_tensor_shapes(
+                expected,
+                found,
+                source=f"the weights in {str(checkpoint)!r}",
+                target=f"model {config.name!r} of its meta.json",
+            ),
+            device,
+            dtype,
         )
-    if lora is not None:  # a LoRA run's weights: its base and adapters, merged once loaded
-        from memfit.nn.lora import apply_lora
+        if lora is not None:
+            from memfit.nn.lora import merge_lora
 
-        apply_lora(model, lora)
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    _materialize(
-        model,
-        [checkpoint / "model.safetensors"],
-        {name: [(name, shape)] for name, shape in expected.items()},
-        lambda found: check_tensor_shapes(
-            expected,
-            found,
-            source=f"the weights in {str(checkpoint)!r}",
-            target=f"model {config.name!r} of its meta.json",
-        ),
-        device,
-        dtype,
-    )
-    if lora is not None:
-        from memfit.nn.lora import merge_lora
-
-        merge_lora(model)
-        model.requires_grad_(False)
+            merge_lora(model)
+            model.requires_grad_(False)
     try:
         tokenizer = load_tokenizer(meta["tokenizer"])
     except FileNotFoundError as error:  # trained from a tokenizer.json since moved
@@ -411,6 +408,46 @@ def _load_memfit(
         lora=lora,
     )
     return model, info
+
+
+@torch.no_grad()
+def _load_qlora(model, checkpoint: Path, meta: dict[str, Any], device, dtype):
+    """A QLoRA run's model (`model`: its meta-device skeleton) with its quantized base and its
+    adapters read from the checkpoint, the adapters merged and every weight dequantized to
+    `dtype`: a plain model, as a LoRA run's loads. Made in CPU memory, then moved to `device`."""
+    from safetensors.torch import load_file
+
+    from memfit.config import LoRASection
+    from memfit.nn.lora import apply_lora, merge_lora
+    from memfit.nn.quant import dequantize_model, quantize_model
+
+    section = LoRASection(**meta["lora"])
+    spec = section.spec()
+    model.to(dtype)
+    model.to_empty(device="cpu")  # (every value is read below)
+    apply_lora(model, spec)
+    quantize_model(model, section.quantize, dtype=dtype)  # the buffers' shapes and kinds
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    expected = model.state_dict()
+    check_tensor_shapes(
+        {name: tuple(t.shape) for name, t in expected.items()},
+        {name: tuple(t.shape) for name, t in weights.items()},
+        source=f"the weights in {str(checkpoint)!r}",
+        target=f"the QLoRA model of its meta.json ({section.quantize}, rank {spec.rank})",
+    )
+    for name, tensor in expected.items():
+        tensor.copy_(weights[name])
+    del weights
+    merge_lora(model)
+    dequantize_model(model)
+    model.requires_grad_(False)
+    bad = next((n for n, p in model.named_parameters() if not _all_finite(p)), None)
+    if bad is not None:
+        raise ValueError(
+            f"{bad!r} of {str(checkpoint)!r} holds NaN or inf once merged and dequantized; use "
+            "an earlier checkpoint"
+        )
+    return model.to(device), spec
 
 
 def _lora_of_run(meta: dict[str, Any], checkpoint: Path):

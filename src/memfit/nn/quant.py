@@ -132,3 +132,19 @@ def quantize_model(
             setattr(model.get_submodule(parent), attr, layer)
             total += layer.quant.nbytes()
     return total
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Every `QuantLinear` back to a plain `Linear` with its weight dequantized (in the dtype it
+    was quantized for): a model for inference or export. (A `LoRALinear` over a quantized base
+    is merged by memfit.nn.lora.merge_lora, which dequantizes too.)"""
+    for path, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear):
+            plain = Linear(module.in_features, module.out_features,
+                           bias=module.bias is not None, device="meta")  # fmt: skip
+            plain.weight = nn.Parameter(module.quant.dequantize(), requires_grad=False)
+            plain.bias = module.bias
+            parent, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent), attr, plain)
+    return model
