@@ -32,7 +32,8 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
     model, info = load_pretrained(path, device="cpu", dtype=_DTYPES[dtype])
     if info.format != "memfit":
         raise ValueError(f"{path!r} is already a Hugging Face checkpoint; nothing to export")
-    base, recorded = _base_directory(info.path)
+    run = _run_config(info.path)
+    base, recorded = _base_directory(run)
     name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
     hf_config = to_hf_config(info.config, name)
     generation = info.generation
@@ -61,7 +62,7 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
         if (base / file).is_file():
             shutil.copy2(base / file, partial / file)
             copied.append(file)
-    tokenizer = _run_tokenizer(info.path)
+    tokenizer = _run_tokenizer(run)
     if not copied and tokenizer is not None:  # a run's own tokenizer.json
         shutil.copy2(tokenizer, partial / "tokenizer.json")
         copied.append("tokenizer.json")
@@ -86,19 +87,20 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
 
 
 def _run_config(checkpoint: Path) -> dict:
+    """The run's config.toml (empty where it has none)."""
     from memfit.config import tomllib
 
     path = checkpoint / "config.toml"
     return tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
-def _base_directory(checkpoint: Path) -> tuple[Path | None, str]:
+def _base_directory(run: dict) -> tuple[Path | None, str]:
     """The Hugging Face checkpoint a run started from (its config.toml's model.name) if it is
     one and is still there, and the name recorded."""
     from memfit.models.config import PRESETS
     from memfit.train.engine import pretrained_directory
 
-    name = _run_config(checkpoint).get("model", {}).get("name", "")
+    name = run.get("model", {}).get("name", "")
     if not name or name in PRESETS:
         return None, ""
     try:
@@ -107,9 +109,9 @@ def _base_directory(checkpoint: Path) -> tuple[Path | None, str]:
         return None, name
 
 
-def _run_tokenizer(checkpoint: Path) -> Path | None:
+def _run_tokenizer(run: dict) -> Path | None:
     """The tokenizer.json a run trained with (--tokenizer), if it is one and is there."""
-    name = _run_config(checkpoint).get("data", {}).get("tokenizer", "byte")
+    name = run.get("data", {}).get("tokenizer", "byte")
     path = Path(name)
     path = path / "tokenizer.json" if path.is_dir() else path
     return path if name != "byte" and path.is_file() else None

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memfit import functional as MF
-from memfit.nn.linear import Linear
+from memfit.nn.linear import Linear, replace_module
 
 # the Hugging Face names of the linear layers a Llama-family block has (peft's target_modules)
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -239,9 +239,8 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> dict[str, LoRALinear]:
         modules = {
             part: name.rsplit(".", 1)[0] for (part, _), (name, _) in zip(parts, hf, strict=True)
         }
-        parent, _, attr = path.rpartition(".")
         layer = LoRALinear(module, parts, spec, modules)
-        setattr(model.get_submodule(parent), attr, layer)
+        replace_module(model, path, layer)
         wrapped[path] = layer
     if not wrapped:
         raise ValueError(f"no linear layer of the model is one of the LoRA targets {spec.names}")
@@ -257,12 +256,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     the model then has its base's parameter names and shapes (for export or serving), every
     parameter trainable again as a freshly built model's are."""
     for path, layer in lora_layers(model).items():
-        plain = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                       device="meta")  # fmt: skip
-        plain.weight = nn.Parameter(layer.merged_weight())
-        plain.bias = layer.bias
-        parent, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent), attr, plain)
+        replace_module(model, path, Linear.holding(layer.merged_weight(), layer.bias))
     for param in model.parameters():
         param.requires_grad_(True)
     if hasattr(model, "lora_spec"):
@@ -369,11 +363,7 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> LoRASpec:
     wrong = [k for k in expected if k in found and found[k].shape != expected[k].shape]
     if missing or unexpected or wrong:  # nothing half-applied: the model is as it was
         for path, layer in lora_layers(model).items():
-            plain = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                           device="meta")  # fmt: skip
-            plain.weight, plain.bias = layer.weight, layer.bias
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent), attr, plain)
+            replace_module(model, path, Linear.holding(layer.weight, layer.bias))
         for name, param in model.named_parameters():
             param.requires_grad_(trainable[name])
         del model.lora_spec

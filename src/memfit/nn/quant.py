@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memfit import functional as MF
-from memfit.nn.linear import Linear
+from memfit.nn.linear import Linear, replace_module
 from memfit.ops.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 
 Kind = Literal["nf4", "int8"]
@@ -128,8 +128,7 @@ def quantize_model(
             total += module.quant.nbytes()
         elif type(module) is Linear:
             layer = QuantLinear(module, kind, dtype, device)
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent), attr, layer)
+            replace_module(model, path, layer)
             total += layer.quant.nbytes()
     return total
 
@@ -141,10 +140,5 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     is merged by memfit.nn.lora.merge_lora, which dequantizes too.)"""
     for path, module in list(model.named_modules()):
         if isinstance(module, QuantLinear):
-            plain = Linear(module.in_features, module.out_features,
-                           bias=module.bias is not None, device="meta")  # fmt: skip
-            plain.weight = nn.Parameter(module.quant.dequantize(), requires_grad=False)
-            plain.bias = module.bias
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent), attr, plain)
+            replace_module(model, path, Linear.holding(module.quant.dequantize(), module.bias))
     return model

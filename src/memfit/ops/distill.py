@@ -52,7 +52,7 @@ def _chunk_loss_and_grad(
     grad = log_q1.exp() * keep[:, None]  # (ignored rows: no gradient at all)
     grad[torch.arange(len(y), device=y.device)[keep], y[keep]] -= 1
     grad = (1 - alpha) * grad
-    log_q = torch.log_softmax(s / temperature, dim=-1)
+    log_q = log_q1 if temperature == 1 else torch.log_softmax(s / temperature, dim=-1)
     log_p = torch.log_softmax(t / temperature, dim=-1)
     q, p = log_q.exp(), log_p.exp()
     if kind == "kl":

@@ -92,12 +92,13 @@ def pretrained_directory(name: str) -> Path | None:
     weights = ("model.safetensors", "model.safetensors.index.json")
     if any((path / w).is_file() for w in weights):
         return path.resolve()
-    pickled = sorted(p.name for p in (*path.glob("*.bin"), *path.glob("*.pt*")))
-    if pickled:  # weights, but none memfit reads: refused rather than trained from random ones
-        raise ConfigError(
-            f"{name!r} holds its weights as {pickled[0]}, which memfit does not read (a pickle "
-            "runs code when loaded): convert them with transformers' save_pretrained"
-        )
+    if any(path.glob("*.bin")) or any(path.glob("*.pt*")):  # weights, none memfit reads
+        from memfit.models.loading import _safetensors_files
+
+        try:
+            _safetensors_files(path)  # (says which, and how to convert them)
+        except (FileNotFoundError, ValueError) as error:
+            raise ConfigError(str(error)) from None
     return None
 
 
@@ -540,20 +541,13 @@ class Trainer:
         return int(params * (weights + state + (4 if sharded else 0))) + (1 << 20)
 
     def _lora_trainable(self) -> int:
-        """The adapters' parameter count, from the shapes alone (the free-space check runs
-        before the model is built)."""
-        c, spec = self.model_config, self.config.lora.spec()
-        head_dim = c.head_dim or c.hidden_size // c.num_heads
-        q, kv = c.num_heads * head_dim, c.num_kv_heads * head_dim
-        shapes = {  # (in, out) of each layer's projections
-            "q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv),
-            "v_proj": (c.hidden_size, kv), "o_proj": (q, c.hidden_size),
-            "gate_proj": (c.hidden_size, c.intermediate_size),
-            "up_proj": (c.hidden_size, c.intermediate_size),
-            "down_proj": (c.intermediate_size, c.hidden_size),
-        }  # fmt: skip
-        per_layer = sum(spec.rank * (i + o) for n, (i, o) in shapes.items() if n in spec.names)
-        return c.num_layers * per_layer
+        """The adapters' parameter count, from a model on the meta device (the free-space check
+        runs before the model is built)."""
+        from memfit.nn.lora import apply_lora
+
+        model = build_model(self.model_config, device="meta")
+        apply_lora(model, self.config.lora.spec())
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def _check_free_space(self) -> None:
         need, keep = self.checkpoint_bytes(), self.config.checkpoint.keep
