@@ -7,12 +7,14 @@ at 1.0, activation checkpointing of every block (peft: transformers' gradient ch
 random token batches. memfit runs as `memfit train` does (its fused linear cross-entropy, its
 attention choice); transformers + peft as a user sets them up (SDPA attention, its loss).
 
-    python benchmarks/lora.py                         # llama-1b and llama-3-8b shapes
+    python benchmarks/lora.py                         # llama-3.2-3b and llama-3-8b shapes
 
 "memfit QLoRA nf4" is memfit with the base's linear layers in NF4 (`--quantize-base nf4`),
-dequantized for each product in PyTorch (no fused kernel yet): its memory, and what the
-dequantization costs; peft's QLoRA needs bitsandbytes, which this machine lacks.
-    python benchmarks/lora.py --models llama-1b --micro-batch 8
+dequantized by memfit's Triton kernel for each product (memfit.nn.quant): its memory, and what
+the dequantization costs; peft's QLoRA needs bitsandbytes, which this machine lacks.
+    python benchmarks/lora.py --models llama-3-8b --micro-batch 1 --systems memfit qlora
+
+Both use AdamW at lr 1e-4 (a LoRA learning rate; the speed does not depend on it).
 
 tokens/s = tokens per step / median step time over --steps steps after --warmup; peak =
 torch.cuda.max_memory_allocated from model construction to the last step. A setting that
@@ -50,7 +52,8 @@ def memfit_run(model: str, args, quantize: str = "none") -> dict:
                     "model": {"name": model},
                     "data": {"seq_len": args.seq_len},
                     "train": {"steps": args.warmup + args.steps, "micro_batch": args.micro_batch,
-                              "precision": "bf16", "checkpointing": "full", "device": "cuda"},
+                              "precision": "bf16", "checkpointing": "full", "device": "cuda",
+                              "lr": 1e-4},
                     "checkpoint": {"out": out},
                     "lora": {"rank": args.rank, "alpha": 2.0 * args.rank, "quantize": quantize},
                 }
@@ -125,27 +128,32 @@ def _row(times, args, trainable, loss) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["llama-1b", "llama-3-8b"])
+    parser.add_argument("--models", nargs="+", default=["llama-3.2-3b", "llama-3-8b"])
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quantize", nargs="*", default=["nf4"], help="memfit QLoRA rows too")
+    parser.add_argument("--systems", nargs="+", default=["memfit", "transformers+peft", "qlora"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     run = {"env": harness.environment(), "seq_len": args.seq_len,
            "micro_batch": args.micro_batch, "rank": args.rank, "records": []}  # fmt: skip
     for model in args.models:
         systems = [("memfit", memfit_run), ("transformers+peft", peft_run)]
-        systems += [(f"memfit QLoRA {kind}", partial(memfit_run, quantize=kind))
-                    for kind in args.quantize]  # fmt: skip
+        systems = [(name, fn) for name, fn in systems if name in args.systems]
+        if "qlora" in args.systems:
+            systems += [(f"memfit QLoRA {kind}", partial(memfit_run, quantize=kind))
+                        for kind in args.quantize]  # fmt: skip
         for system, fn in systems:
             try:
                 row = fn(model, args)
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-            run["records"].append({"model": model, "system": system, **row})
+            run["records"].append(
+                {"model": model, "system": system, "micro_batch": args.micro_batch, **row}
+            )
             print(model, system, {k: v for k, v in row.items() if k != "adapter_dtypes"},
                   flush=True)  # fmt: skip
     if args.out is not None:

@@ -1,7 +1,8 @@
-"""Where a training step's GPU time goes: torch.profiler's kernel table for memfit's step and for
-Hugging Face's, llama-1b at sequence 2048 (the train_step.py settings).
+"""Where a training step's GPU time goes: torch.profiler's kernel table for memfit's step, llama-1b
+at sequence 2048 by default (the train_step.py settings), or another preset, LoRA or QLoRA.
 
     python benchmarks/profile_step.py --micro-batch 4 --checkpointing none
+    python benchmarks/profile_step.py --model llama-3-8b --checkpointing full --lora-rank 16
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--checkpointing", default="none")
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--quantize-base", default="none")
     args = parser.parse_args()
+    lora = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank, "quantize": args.quantize_base}
     with tempfile.TemporaryDirectory() as out:
         config = build_config(
             flags={
-                "model": {"name": "llama-1b", "attention": "sdpa"},
+                "model": {"name": args.model, "attention": "sdpa" if not lora["rank"] else "auto"},
                 "data": {"seq_len": SEQ_LEN},
                 "train": {
                     "micro_batch": args.micro_batch,
@@ -34,6 +39,7 @@ def main() -> None:
                     "precision": "bf16",
                 },
                 "checkpoint": {"out": out},
+                **({"lora": lora} if args.lora_rank else {}),
             }
         )
         trainer = Trainer(config)

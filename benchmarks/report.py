@@ -828,7 +828,8 @@ def serve_table(run: dict) -> str:
 
 
 def lora_table(run: dict) -> str:
-    """benchmarks/lora.py: LoRA training, memfit against transformers + peft."""
+    """benchmarks/lora.py: LoRA training, memfit against transformers + peft; QLoRA against
+    memfit's LoRA at the same micro-batch."""
     peer = next((r for r in run["records"] if "peft" in r), {})
     lines = [
         _env_line(
@@ -837,26 +838,30 @@ def lora_table(run: dict) -> str:
         "",
         f"Random weights, the base frozen in bf16, rank {run['rank']} adapters (alpha "
         f"{2 * run['rank']}) on every linear layer in fp32, bf16 autocast, AdamW, activation "
-        f"checkpointing, sequence {run['seq_len']} x micro-batch {run['micro_batch']}:",
+        f"checkpointing, sequence {run['seq_len']}:",
         "",
-        "| model | system | tokens/s | peak | trainable parameters |",
-        "|---|---|---|---|---|",
+        "| model | micro-batch | system | tokens/s | peak | trainable parameters |",
+        "|---|---|---|---|---|---|",
     ]
-    for model in dict.fromkeys(r["model"] for r in run["records"]):
-        rows = {r["system"]: r for r in run["records"] if r["model"] == model}
-        theirs = rows.get("transformers+peft", {})
+    records = [
+        r | {"micro_batch": r.get("micro_batch", run["micro_batch"])} for r in run["records"]
+    ]
+    for model, batch in dict.fromkeys((r["model"], r["micro_batch"]) for r in records):
+        rows = {r["system"]: r for r in records if (r["model"], r["micro_batch"]) == (model, batch)}
+        theirs, ours = rows.get("transformers+peft", {}), rows.get("memfit", {})
         for system, r in rows.items():
             if "error" in r:
-                lines.append(f"| {model} | {system} | {r['error'][:60]} | - | - |")
+                lines.append(f"| {model} | {batch} | {system} | {r['error'][:60]} | - | - |")
                 continue
-            speed = f"{r['tokens_per_s']:,.0f}"
+            speed, peak = f"{r['tokens_per_s']:,.0f}", f"{r['peak_gib']:.2f} GiB"
             if system == "memfit" and "tokens_per_s" in theirs:
                 speed = f"**{speed}** ({r['tokens_per_s'] / theirs['tokens_per_s']:.2f}x)"
-            peak = f"{r['peak_gib']:.2f} GiB"
-            if system == "memfit" and "peak_gib" in theirs:
                 peak += f" ({r['peak_gib'] / theirs['peak_gib'] - 1:+.0%})"
+            elif system.startswith("memfit QLoRA") and "tokens_per_s" in ours:
+                speed += f" ({r['tokens_per_s'] / ours['tokens_per_s']:.2f}x LoRA)"
             lines.append(
-                f"| {model} | {system} | {speed} | {peak} | {r['trainable_params'] / 1e6:.1f}M |"
+                f"| {model} | {batch} | {system} | {speed} | {peak} | "
+                f"{r['trainable_params'] / 1e6:.1f}M |"
             )
     return "\n".join(lines)
 

@@ -174,3 +174,37 @@ def test_a_checkpoint_directory_with_pickled_weights_only_is_refused(tmp_path):
     (directory / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="pytorch_model.bin, which memfit does not read"):
         make(tmp_path, model=directory)
+
+
+def test_qlora_from_a_hugging_face_checkpoint_quantizes_one_block_at_a_time(tmp_path, monkeypatch):
+    """Each block is read and quantized before the next is read (the later blocks still on the
+    meta device), and the quantized base is the checkpoint's weights quantized."""
+    transformers = pytest.importorskip("transformers")
+    import memfit.nn.quant as quant
+
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    _word_tokenizer(tmp_path / "base", 300)
+    seen, quantize_model = [], quant.quantize_model
+
+    def spy(model, kind, *, blocks, **kwargs):
+        later = range(blocks[0] + 1, len(model.layers))
+        seen.append((blocks, [all(p.is_meta for p in model.layers[i].parameters()) for i in later]))
+        return quantize_model(model, kind, blocks=blocks, **kwargs)
+
+    monkeypatch.setattr(quant, "quantize_model", spy)
+    qlora = {"rank": 4, "alpha": 8.0, "quantize": "nf4"}
+    trainer = make(tmp_path, steps=4, model=tmp_path / "base", lora=qlora)
+    assert seen == [([0], [True, True]), ([1], [True]), ([2], [])]
+    reference, _ = load_pretrained(tmp_path / "base", device="cpu", dtype=torch.float32)
+    quantize_model(reference, "nf4", dtype=torch.float32)
+    expected = dict(reference.named_buffers())
+    got = {n: b for n, b in trainer.model.named_buffers() if ".quant." in n}
+    assert got.keys() == {n for n in expected if ".quant." in n} and len(got) == 3 * 4 * 4
+    assert all(torch.equal(got[n], expected[n]) for n in got)
+    history = trainer.fit()
+    assert all(torch.isfinite(torch.tensor(m.loss)) for m in history)

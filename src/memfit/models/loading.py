@@ -146,8 +146,16 @@ def load_pretrained(
     device: torch.device | str,
     dtype: torch.dtype = torch.bfloat16,
     attention: str = "auto",
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+    on_block: Callable[[torch.nn.Module, int], None] | None = None,
 ) -> tuple[torch.nn.Module, PretrainedInfo]:
     """The model in `path`, in eval mode, its weights in `dtype` on `device`, and its info.
+
+    For a Hugging Face checkpoint, `prepare(model)` is called on the model while it is still on
+    the meta device (before any weight is read), and with `on_block` the blocks' weights are
+    read one block at a time, `on_block(model, index)` called as soon as block `index`'s are in
+    place (QLoRA quantizes each block there: the model is never in `dtype` whole on `device`).
+    Tensors that `prepare` adds and no checkpoint holds must be made by `on_block`.
 
     `path` is a Hugging Face checkpoint directory (config.json and safetensors weights) or a
     memfit training checkpoint (a step_* directory, or a run directory: its latest checkpoint).
@@ -167,7 +175,9 @@ def load_pretrained(
         )
     device = torch.device(device)
     if (directory / "config.json").is_file():
-        return _load_huggingface(directory, device, dtype, attention)
+        return _load_huggingface(directory, device, dtype, attention, prepare, on_block)
+    if prepare is not None or on_block is not None:
+        raise ValueError(f"{str(directory)!r} is no Hugging Face checkpoint (no config.json)")
     checkpoint = find_checkpoint(directory)
     if checkpoint is not None:
         try:
@@ -246,8 +256,10 @@ def _first(names: list[str], count: int = 5) -> str:
 
 
 def _load_huggingface(
-    directory: Path, device: torch.device, dtype: torch.dtype, attention: str
-) -> tuple[torch.nn.Module, PretrainedInfo]:
+    directory: Path, device: torch.device, dtype: torch.dtype, attention: str,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+    on_block: Callable[[torch.nn.Module, int], None] | None = None,
+) -> tuple[torch.nn.Module, PretrainedInfo]:  # fmt: skip
     from memfit.models import get_family
 
     config = from_hf_config(directory)
@@ -262,15 +274,19 @@ def _load_huggingface(
         )
     model, backend = _meta_model(config, device, dtype, attention)
     family = get_family(config.family)
+    layout = family.hf_layout(model)
+    if prepare is not None:
+        prepare(model)
     _materialize(
         model,
         files,
-        family.hf_layout(model),
+        layout,
         lambda found: family.check_hf_shapes(
             model, found, source=f"the weights in {str(directory)!r}"
         ),
         device,
         dtype,
+        on_block,
     )
     info = PretrainedInfo(
         path=directory,
@@ -494,10 +510,12 @@ def _materialize(
     check: Callable[[dict[str, tuple[int, ...]]], None],
     device: torch.device,
     dtype: torch.dtype,
+    on_block: Callable[[torch.nn.Module, int], None] | None = None,
 ) -> None:
     """Fill the meta-device `model` from `files`: `layout` maps each model tensor to the file
     tensors it concatenates along dim 0; `check(shapes of every file tensor)` raises before any
-    is read."""
+    is read. With `on_block`, the tensors outside the blocks are put in place first, then each
+    block's, `on_block(model, index)` called after each block."""
     start = time.perf_counter()
     with ExitStack() as stack:
         handles, shapes, dtypes, file_of = {}, {}, {}, {}
@@ -523,22 +541,42 @@ def _materialize(
                 f"tensors stored in a non-float dtype: {_first(not_float)}; memfit loads float "
                 "weights (fp32, fp16, bf16) only, not quantized ones"
             )
-        state = {}
-        for name, parts in layout.items():
-            # cast part by part before concatenating: the fused tensor exists only in `dtype`
-            tensors = [handles[hf].get_tensor(hf).to(dtype) for hf, _ in parts]
-            fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-            state[name] = fused.to(device)
-            if not _all_finite(state[name]):  # on the device: fast where it is a GPU
-                _refuse_non_finite(parts, tensors, handles, file_of, dtype)
-    model.load_state_dict(state, assign=True)  # the meta tensors are replaced, not copied into
+        nbytes = 0
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            state = {}
+            for name in names:
+                parts = layout[name]
+                # cast part by part before concatenating: the fused tensor exists only in `dtype`
+                tensors = [handles[hf].get_tensor(hf).to(dtype) for hf, _ in parts]
+                fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+                state[name] = fused.to(device)
+                if not _all_finite(state[name]):  # on the device: fast where it is a GPU
+                    _refuse_non_finite(parts, tensors, handles, file_of, dtype)
+            return state
+
+        if on_block is None:
+            state = read(list(layout))
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            model.load_state_dict(state, assign=True)  # the meta tensors replaced, not copied into
+        else:
+            blocks: dict[int, list[str]] = {}
+            for name in layout:
+                index = _block_index(name)
+                blocks.setdefault(-1 if index is None else index, []).append(name)
+            for index in sorted(blocks):
+                state = read(blocks[index])
+                nbytes += sum(t.numel() * t.element_size() for t in state.values())
+                model.load_state_dict(state, assign=True, strict=False)
+                del state
+                if index >= 0:
+                    on_block(model, index)
     _check_materialized(model)
     model.eval()
     seconds = time.perf_counter() - start
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
     logger.info(
         "loaded %d tensors (%.2f GB in %s) from %d file(s) onto %s in %.1f s (%.2f GB/s)",
-        len(state),
+        len(layout),
         nbytes / 1e9,
         dtype,
         len(files),
@@ -546,6 +584,13 @@ def _materialize(
         seconds,
         nbytes / 1e9 / max(seconds, 1e-9),
     )
+
+
+def _block_index(name: str) -> int | None:
+    """3 for "layers.3.mlp.down.weight"; None for a tensor outside the blocks."""
+    head, _, rest = name.partition(".")
+    index = rest.partition(".")[0]
+    return int(index) if head == "layers" and index.isdigit() else None
 
 
 def _all_finite(tensor: torch.Tensor, chunk: int = 2**24) -> bool:

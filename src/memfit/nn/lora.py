@@ -153,30 +153,42 @@ class LoRALinear(Linear):
         for b in self.lora_B.values():
             b.zero_()
 
-    def delta(self, x: Tensor) -> Tensor:
-        """s * B A dropout(x), every part's rows (zero where a part has no adapter)."""
+    def _adapters(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(A, B) of all parts as one product: A stacks the adapted parts' A (k r, in); B is
+        block-diagonal (out, k r), each adapted part's B in its rows and its rank's columns,
+        zero rows for a part without an adapter. B A is every part's update at once."""
         names = [name for name, _ in self.parts if name in self.lora_A]  # (parts' order)
         a = torch.cat([self.lora_A[n] for n in names]) if len(names) > 1 else self.lora_A[names[0]]
-        h = F.linear(self.dropout(x), _like(a, x))  # (..., adapted parts x rank)
-        pieces, at = [], 0
-        for name, rows in self.parts:
-            if name in self.lora_B:
-                pieces.append(F.linear(h[..., at : at + self.rank], _like(self.lora_B[name], x)))
-                at += self.rank
-            else:
-                pieces.append(h.new_zeros(*h.shape[:-1], rows))
-        return (torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]) * self.scale
+        if len(self.parts) == 1:
+            return _like(a, x), _like(self.lora_B[names[0]], x)
+        blocks = [
+            self.lora_B[name] if name in self.lora_B else a.new_zeros(rows, 0)
+            for name, rows in self.parts
+        ]
+        return _like(a, x), _like(torch.block_diag(*blocks), x)
+
+    def delta(self, x: Tensor) -> Tensor:
+        """s * B A dropout(x), every part's rows (zero where a part has no adapter)."""
+        a, b = self._adapters(x)
+        return F.linear(F.linear(self.dropout(x), a), b) * self.scale
 
     def forward(self, x: Tensor, *, swiglu: bool = False, residual: Tensor | None = None) -> Tensor:
         """As `Linear.forward`: swiglu of the result for a fused gate/up projection, and the
-        residual added."""
+        residual added. Two matrix products besides the base's, the update added in the second
+        one's epilogue: y = base + s (dropout(x) A^T) B^T (exactly the base's output where B is
+        zero)."""
+        a, b = self._adapters(x)
+        h = F.linear(self.dropout(x), a)  # (..., adapted parts x rank)
         if self.quant is not None:
             from memfit.nn.quant import quantized_linear
 
-            y = quantized_linear(x, self.quant, self.bias) + self.delta(x)
+            base = quantized_linear(x, self.quant, self.bias)
         else:
             bias = None if self.bias is None else _like(self.bias, x)
-            y = F.linear(x, _like(self.weight, x), bias) + self.delta(x)
+            base = F.linear(x, _like(self.weight, x), bias)
+        y = torch.addmm(
+            base.reshape(-1, self.out_features), h.reshape(-1, h.shape[-1]), b.T, alpha=self.scale
+        ).reshape(base.shape)
         if swiglu:
             y = MF.swiglu(y)
         return y if residual is None else residual + y

@@ -212,17 +212,20 @@ class Trainer:
                 raise ConfigError(message)
             if verdict == "warn" and self.world.is_main:
                 logger.warning("%s", message)
-        # QLoRA: the base is made (or read) in CPU memory and reaches the device quantized, one
-        # weight at a time, so the whole model is never on the device in the compute dtype
-        build_on = torch.device("cpu") if config.lora.quantize != "none" else self.device
+        # QLoRA: the base is never on the device whole in the compute dtype: read from a
+        # checkpoint or made from random weights one block at a time, each block quantized
+        # before the next is read or made (`_qlora_hooks`)
+        qlora = config.lora.quantize != "none"
+        build_on = torch.device("meta") if qlora else self.device
         if self.pretrained is not None:  # a Hugging Face checkpoint: start from its weights
             from memfit.models.loading import load_pretrained
 
             # LoRA keeps the frozen base in the compute dtype: read it so, never in fp32 whole
             dtype = DTYPES[self.precision] if lora is not None else torch.float32
             self.model, _ = load_pretrained(
-                self.pretrained, device=build_on, dtype=dtype, attention=attention
-            )
+                self.pretrained, device=self.device, dtype=dtype, attention=attention,
+                **(self._qlora_hooks(lora) if qlora else {}),
+            )  # fmt: skip
             logger.info("weights from %s (%s)", self.pretrained, dtype)
         else:  # (LoRA: the frozen base made in the compute dtype, as a checkpoint is read)
             self.model = build_model(
@@ -342,27 +345,24 @@ class Trainer:
     def _apply_lora(self, spec) -> None:
         """Adapters on the targeted layers (seeded), the rest frozen and kept in the compute
         dtype: no gradient, no optimizer state, no fp32 copy of the base."""
-        from memfit.nn.lora import apply_lora
+        from memfit.nn.lora import apply_lora, lora_layers
 
-        layers = apply_lora(self.model, spec)
-        where = next(iter(layers.values())).weight.device  # (QLoRA: still in CPU memory)
-        generator = torch.Generator(device=where).manual_seed(self.config.train.seed)
-        for layer in layers.values():
-            layer.reset_adapters(generator)
-        compute = DTYPES[self.precision]
-        for param in self.model.parameters():
-            if not param.requires_grad:
-                param.data = param.data.to(compute)
-        kind = self.config.lora.quantize
-        if kind != "none":  # QLoRA: the blocks' linear weights quantized, one at a time
-            from memfit.nn.quant import quantize_model
-
-            try:
-                stored = quantize_model(self.model, kind, dtype=compute, device=self.device)
-            except ValueError as error:
-                raise ConfigError(f"--quantize-base {kind}: {error}") from None
-            logger.info("base quantized to %s: the blocks' linear weights take %.2f GiB",
-                        kind, stored / 2**30)  # fmt: skip
+        layers = lora_layers(self.model)  # (QLoRA from a checkpoint: applied while reading it)
+        if not layers:
+            layers = apply_lora(self.model, spec)
+        if next(next(iter(layers.values())).lora_A.parameters()).is_meta:
+            self._make_quantized_blocks(spec)  # QLoRA from random weights
+        elif self.config.lora.quantize == "none":
+            generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
+            for layer in layers.values():
+                layer.reset_adapters(generator)
+            for param in self.model.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(DTYPES[self.precision])
+        if self.config.lora.quantize != "none":
+            stored = sum(layer.quant.nbytes() for layer in layers.values())
+            logger.info("base quantized to %s block by block: the adapted layers' weights take "
+                        "%.2f GiB", self.config.lora.quantize, stored / 2**30)  # fmt: skip
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.model.parameters())
         logger.info(
@@ -539,6 +539,50 @@ class Trainer:
             trainable = self._lora_trainable()
             return int(params * base + trainable * (4 + state)) + (1 << 20)
         return int(params * (weights + state + (4 if sharded else 0))) + (1 << 20)
+
+    def _qlora_hooks(self, spec) -> dict:
+        """`load_pretrained`'s hooks for QLoRA: the adapters put on the meta-device model, and
+        each block, once read, given its adapters (seeded, in the order `_apply_lora` draws
+        them) and its linear weights quantized before the next block is read."""
+        from memfit.nn.lora import LoRALinear, apply_lora
+        from memfit.nn.quant import quantize_model
+
+        kind, compute, device = self.config.lora.quantize, DTYPES[self.precision], self.device
+        adapters = torch.Generator(device=device).manual_seed(self.config.train.seed)
+
+        def on_block(model: torch.nn.Module, index: int) -> None:
+            for module in model.layers[index].modules():
+                if isinstance(module, LoRALinear):
+                    module.lora_A.to_empty(device=device)
+                    module.lora_B.to_empty(device=device)
+                    module.reset_adapters(adapters)
+            try:
+                quantize_model(model, kind, dtype=compute, blocks=[index])
+            except ValueError as error:
+                raise ConfigError(f"--quantize-base {kind}: {error}") from None
+
+        return {"prepare": lambda model: apply_lora(model, spec), "on_block": on_block}
+
+    def _make_quantized_blocks(self, spec) -> None:
+        """QLoRA from random weights: materialize the meta-device LoRA model on the device one
+        block at a time, each in the compute dtype, initialized and quantized (`_qlora_hooks`)
+        before the next is made. The weights and adapters are those `build_model` and
+        `_apply_lora` make (the same seeded draws in the same order): the run equals its LoRA
+        run but for the quantization."""
+        model, device = self.model, self.device
+        weights = torch.Generator(device=device).manual_seed(self.config.train.seed)
+        on_block = self._qlora_hooks(spec)["on_block"]
+        others = [name for name, _ in model.named_children() if name != "layers"]
+        for name in others:
+            model.get_submodule(name).to_empty(device=device)
+        model.init_weights(weights, "embed")  # (the order of Llama.init_weights' draws)
+        for index, block in enumerate(model.layers):
+            block.to_empty(device=device)
+            model.init_weights(weights, f"layers.{index}")
+            on_block(model, index)
+        for name in others:
+            if name != "embed":
+                model.init_weights(weights, name)
 
     def _lora_trainable(self) -> int:
         """The adapters' parameter count, from a model on the meta device (the free-space check

@@ -142,11 +142,16 @@ class Llama(nn.Module):
         )
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
+    def init_weights(self, generator: torch.Generator | None = None, part: str = "") -> None:
         """Normal(0, init_std) for matrices and embeddings, 1 for norms, zero biases; the output
-        projections of each residual branch scaled by 1/sqrt(2 * num_layers) (GPT-2)."""
+        projections of each residual branch scaled by 1/sqrt(2 * num_layers) (GPT-2). part: only
+        that submodule ("layers.3": a block made on its own), else the whole model. LoRA
+        adapters are left to their layer (`LoRALinear.reset_adapters`)."""
         std = self.config.init_std
-        for name, param in self.named_parameters():
+        module = self.get_submodule(part)
+        for name, param in module.named_parameters(prefix=part):
+            if ".lora_" in name:
+                continue
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):

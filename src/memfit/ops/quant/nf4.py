@@ -46,21 +46,35 @@ def _check(weight: Tensor) -> None:
         raise ValueError(f"quantize a 2-D weight (out, in), got shape {tuple(weight.shape)}")
 
 
+# quantize this many blocks at a time: the fp32 and index transients of a layer stay ~100 MiB
+_CHUNK_BLOCKS = 1 << 18
+
+
 @torch.no_grad()
 def quantize_nf4(weight: Tensor, *, double_quant: bool = True) -> dict[str, Tensor]:
     """weight (out, in) -> {"packed": uint8 (ceil(out x in / 64) x 32,), "absmax_q": int8
     (blocks,), "absmax_scale": fp32 (ceil(blocks / 256),), "absmax_mean": fp32 ()} with
     double_quant, else {"packed", "absmax": fp32 (blocks,)}. Blocks are 64 consecutive elements
     of the row-major weight (whole rows' pieces when in_features is a multiple of 64, as in every
-    Llama layer), the last one padded with zeros. Computed in fp32 on weight's device."""
+    Llama layer), the last one padded with zeros. Computed in fp32 on weight's device, 2^18
+    blocks at a time (the transient memory is that chunk's, not the layer's)."""
     _check(weight)
-    flat = weight.float().reshape(-1)
-    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % NF4_BLOCK)).reshape(-1, NF4_BLOCK)
-    absmax = blocks.abs().amax(dim=1)
-    normalized = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    flat = weight.reshape(-1)
+    if flat.numel() % NF4_BLOCK:
+        flat = torch.nn.functional.pad(flat, (0, -flat.numel() % NF4_BLOCK))
+    blocks = flat.reshape(-1, NF4_BLOCK)
     code = nf4_code(weight.device)
-    index = torch.bucketize(normalized, (code[1:] + code[:-1]) / 2).to(torch.uint8).reshape(-1)
-    packed = (index[0::2] << 4) | index[1::2]
+    edges = (code[1:] + code[:-1]) / 2
+    absmax = torch.empty(len(blocks), dtype=torch.float32, device=weight.device)
+    packed = torch.empty(len(blocks) * NF4_BLOCK // 2, dtype=torch.uint8, device=weight.device)
+    for start in range(0, len(blocks), _CHUNK_BLOCKS):
+        chunk = blocks[start : start + _CHUNK_BLOCKS].float()
+        peak = chunk.abs().amax(dim=1)
+        absmax[start : start + len(chunk)] = peak
+        normalized = chunk / peak.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+        index = torch.bucketize(normalized, edges, out_int32=True).to(torch.uint8).reshape(-1)
+        half = start * NF4_BLOCK // 2
+        packed[half : half + index.numel() // 2] = (index[0::2] << 4) | index[1::2]
     if not double_quant:
         return {"packed": packed, "absmax": absmax}
     mean = absmax.mean()
