@@ -21,6 +21,8 @@ These are the reference implementations, in PyTorch; they run once per weight at
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -101,9 +103,16 @@ def dequantize_nf4(
 ) -> Tensor:
     """The weight of `shape` that `quantize_nf4` made `state` of, in `dtype`."""
     packed = state["packed"]
-    index = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(-1, NF4_BLOCK)
-    values = nf4_code(packed.device)[index.long()] * nf4_absmax(state)[:, None]
+    values = _byte_levels(packed.device).index_select(0, packed.long()).view(-1, NF4_BLOCK)
+    values = values * nf4_absmax(state)[:, None]
     return values.reshape(-1)[: shape[0] * shape[1]].reshape(shape).to(dtype)
+
+
+@functools.cache
+def _byte_levels(device: torch.device) -> Tensor:
+    """(256, 2): the two levels each byte of packed codes holds (high nibble first)."""
+    code, byte = nf4_code(device), torch.arange(256, device=device)
+    return torch.stack([code[byte >> 4], code[byte & 15]], dim=-1)
 
 
 @torch.no_grad()
