@@ -17,7 +17,8 @@ the dequantization costs; peft's QLoRA needs bitsandbytes, which this machine la
 Both use AdamW at lr 1e-4 (a LoRA learning rate; the speed does not depend on it).
 
 tokens/s = tokens per step / median step time over --steps steps after --warmup; peak =
-torch.cuda.max_memory_allocated from model construction to the last step. A setting that
+torch.cuda.max_memory_allocated from model construction to the last step. memfit's rows also
+record what the planner predicted for them (planned_peak_gib, planned_tokens_per_s). A setting that
 raises (out of memory) is recorded with its error and the run goes on.
 """
 
@@ -59,6 +60,7 @@ def memfit_run(model: str, args, quantize: str = "none") -> dict:
                 }
             )
         )  # fmt: skip
+        planned = _planned(trainer)
         times = []
         for i in range(args.warmup + args.steps):
             torch.cuda.synchronize()
@@ -69,7 +71,21 @@ def memfit_run(model: str, args, quantize: str = "none") -> dict:
                 times.append(time.perf_counter() - start)
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         del trainer
-    return _row(times, args, trainable, metrics.loss)
+    return _row(times, args, trainable, metrics.loss) | planned
+
+
+def _planned(trainer: Trainer) -> dict:
+    """The planner's peak and speed for the run (memfit.planner, the GPU present)."""
+    from memfit.planner import detect_gpu, plan, step_time
+
+    gpu = detect_gpu()
+    if gpu is None:
+        return {}
+    strategy = trainer.strategy()
+    return {
+        "planned_peak_gib": plan(trainer.model_config, strategy, gpu).peak_bytes / 2**30,
+        "planned_tokens_per_s": step_time(trainer.model_config, strategy, gpu).tokens_per_s,
+    }
 
 
 def peft_run(model: str, args) -> dict:

@@ -1,5 +1,13 @@
 """`memfit plan`: predicted per-GPU memory of a training strategy, by category and phase; with
-`--serve`, the memory of serving the model and the KV cache pool that fits (planner/serve.py)."""
+`--serve`, the memory of serving the model and the KV cache pool that fits (planner/serve.py).
+
+The strategy comes from the flags, or from a run's `--config FILE.toml` (what `memfit train
+--config` would run: its [model], [data], [train], [distributed], [lora] and [distill]), the flags
+given beside it overriding the file. LoRA, QLoRA and a distillation teacher take `memfit train`'s
+flags (--lora-rank, --quantize-base, --teacher, ...). `--recommend` ranks each goal apart: full
+fine-tuning, LoRA and QLoRA (rank 16, or --lora-rank), or only the one the flags or the file ask
+for.
+"""
 
 from __future__ import annotations
 
@@ -11,32 +19,120 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from memfit.config import check_at_least, check_between
+from memfit.config import build_config, check_at_least, check_between
 from memfit.models.config import ModelConfig, check_seq_len, format_params, load_model_config
 from memfit.optim.registry import OPTIMIZERS
 from memfit.planner import (
     CATEGORIES,
+    GPU,
+    Recommendation,
     Strategy,
     get_gpu,
     plan,
-    rank_strategies,
     step_time,
     what_would_fit,
 )
-from memfit.planner.memory import gib
+from memfit.planner.memory import LORA_TARGETS, fine_tuning_fields, gib, teacher_model
+from memfit.planner.search import LORA_RANK, rank_goals
 from memfit.planner.serve import ServePlan, plan_serve, serve_fixes
+from memfit.planner.time import model_flops_per_token
 
 # --seq-len's default for training plans, or the model's max_seq_len if shorter (--serve defaults
 # to the model's max_seq_len)
 TRAIN_SEQ_LEN = 2048
+# the strategy flags' values when neither they nor a --config give one
+PLAN_DEFAULTS = {
+    "model": "llama-1b", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
+    "checkpointing": "none", "optimizer": "adamw", "master_weights": "fp32", "zero": 0,
+    "offload": "none", "offload_activations": False, "lora_rank": 0,
+    "lora_targets": "all-linear", "lora_dropout": 0.0, "quantize_base": "none", "teacher": None,
+    "teacher_quantize": "none", "distill_kind": "kl", "distill_temperature": 1.0,
+}  # fmt: skip
+# each strategy flag's place in a run configuration (memfit.config.Config)
+CONFIG_KEYS = {
+    "model": ("model", "name"), "seq_len": ("data", "seq_len"),
+    "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
+    "precision": ("train", "precision"), "checkpointing": ("train", "checkpointing"),
+    "optimizer": ("train", "optimizer"), "master_weights": ("train", "master_weights"),
+    "offload_activations": ("train", "offload_activations"),
+    "zero": ("distributed", "zero"), "offload": ("distributed", "offload"),
+}  # fmt: skip
+# the fine-tuning flags, as `memfit train` names them (cli/main.py's _TRAIN_FLAGS)
+FINE_TUNING_FLAGS = (
+    "lora_rank", "lora_targets", "lora_dropout", "quantize_base", "teacher", "teacher_quantize",
+    "distill_kind", "distill_temperature",
+)  # fmt: skip
 
 
-def run_rank_strategies(args: argparse.Namespace, console: Console, model: ModelConfig) -> int:
+def resolve_strategy_flags(args: argparse.Namespace) -> dict:
+    """Fill the strategy flags not given: from --config (the run's values, its defaults
+    included), else PLAN_DEFAULTS. Returns the fine-tuning fields a --config gave (LoRA, QLoRA,
+    the teacher), which the flags override."""
+    config = build_config(args.config) if args.config else None
+    from_config: dict = fine_tuning_fields(config) if config is not None else {}
+    args.given = {name for name in PLAN_DEFAULTS if getattr(args, name, None) is not None}
+    for name, default in PLAN_DEFAULTS.items():
+        if name in args.given:
+            continue
+        value = default
+        if config is not None and name in CONFIG_KEYS:
+            section, key = CONFIG_KEYS[name]
+            value = getattr(getattr(config, section), key)
+        setattr(args, name, value)
+    if config is not None:
+        if args.seq_len is None:
+            args.seq_len = config.data.seq_len
+        if args.precision == "auto":  # what a GPU with bf16 resolves it to
+            args.precision = "bf16"
+        args.attention = config.model.attention
+    return from_config
+
+
+def fine_tuning(args: argparse.Namespace, from_config: dict) -> dict:
+    """The Strategy fields of LoRA, QLoRA and the teacher: the --config's, overridden by the
+    flags given."""
+    fields = dict(from_config)
+    for name in FINE_TUNING_FLAGS:
+        if name in args.given or name not in fields:
+            fields[name] = getattr(args, name)
+    if isinstance(fields.get("teacher"), str):
+        fields["teacher"] = teacher_model(fields["teacher"])
+    return fields
+
+
+def run_rank_strategies(
+    args: argparse.Namespace, console: Console, model: ModelConfig, fields: dict
+) -> int:
+    """--recommend: each goal's fastest strategies that fit. The goal asked for comes first: full
+    fine-tuning, with LoRA and QLoRA (rank 16, or --lora-rank) as alternatives; or the LoRA or
+    QLoRA goal the flags or the --config ask for, alone. Exits 1 when the goal asked for does
+    not fit (the alternatives listed or not)."""
     gpu = get_gpu(args.gpu)
-    found = rank_strategies(
-        model, gpu, seq_len=args.seq_len, gpus=args.gpus, optimizer=args.optimizer
+    shared = {
+        key: fields[key]
+        for key in ("lora_targets", "lora_dropout", "teacher", "teacher_quantize",
+                    "distill_kind", "distill_temperature")
+        if key in fields
+    }  # fmt: skip
+    rank = fields.get("lora_rank") or LORA_RANK
+    quantize = fields.get("quantize_base", "none")
+    if fields.get("lora_rank") or quantize != "none":  # the goal asked for, alone
+        goals: tuple[str, ...] = ("qlora",) if quantize != "none" else ("lora",)
+    else:
+        goals = ("full", "lora", "qlora")
+    found = rank_goals(
+        model, gpu, goals=goals, lora_rank=rank, quantize=quantize if quantize != "none" else "nf4",
+        seq_len=args.seq_len, gpus=args.gpus, optimizer=args.optimizer,
+        host_memory=int(args.host_memory * 2**30) if args.host_memory else None, **shared,
+    )  # fmt: skip
+    asked = next(iter(found))
+    rc = 0 if found[asked] else 1
+    fitting = sorted(
+        (r for recommendations in found.values() for r in recommendations),
+        key=lambda r: r.time.tokens_per_s,
+        reverse=True,
     )
-    if args.json:
+    if args.json:  # every strategy that fits, fastest first, each with its goal
         print(
             json.dumps(
                 [
@@ -45,55 +141,90 @@ def run_rank_strategies(args: argparse.Namespace, console: Console, model: Model
                         "tokens_per_s": r.time.tokens_per_s,
                         "step_s": r.time.total_s,
                     }
-                    for r in found
+                    for r in fitting
                 ]
             )
         )
-        return 0 if found else 1
-    if not found:
+        return rc
+    if fitting:
+        console.print(_goals_table(model, gpu, args.seq_len, found))
+    if not found[asked]:
+        others = [goal for goal, recommendations in found.items() if recommendations]
+        instead = (
+            f": {' and '.join(others)} above train adapters on a frozen base" if others else ""
+        )
+        what = "full fine-tuning" if asked == "full" else asked
         console.print(
-            f"[red]no single-GPU strategy of {escape(model.name)} at seq {args.seq_len} fits "
-            f"{gpu.name}[/]"
+            f"[red]no single-GPU strategy of {escape(model.name)} ({what}) at seq {args.seq_len} "
+            f"fits {gpu.name}[/]{instead}",
+            highlight=False,
         )
         strategy = Strategy(
-            seq_len=args.seq_len, micro_batch=1, checkpointing="full", optimizer=args.optimizer
-        )
+            seq_len=args.seq_len, micro_batch=1, checkpointing="full", optimizer=args.optimizer,
+            **(shared if asked == "full" else {"lora_rank": rank, **shared}),
+            **({"quantize_base": quantize} if asked.startswith("QLoRA") else {}),
+        )  # fmt: skip
         for label, fixed in what_would_fit(model, strategy, gpu)[:5]:
+            if others and ("--lora-rank" in label or "--quantize-base" in label):
+                continue  # (the goals listed above)
             console.print(
                 f"  with full checkpointing and {escape(label)}: peak {gib(fixed.peak_bytes)}",
                 highlight=False,
             )
-        return 1
-    table = Table(
-        title=f"memfit plan --recommend: {escape(model.name)} on {gpu.name}, seq {args.seq_len}, "
-        "fastest first"
-    )
-    for column in (
-        "strategy",
-        "peak allocated",
-        "tokens/s (predicted)",
-        "MFU (predicted)",
-        "step (s)",
-    ):
-        table.add_column(column)
-    for r in found[:5]:
-        mfu = r.time.tokens_per_s * model.flops_per_token(args.seq_len) / gpu.bf16_flops
-        table.add_row(
-            r.strategy.describe(),
-            gib(r.plan.peak_bytes),
-            f"{r.time.tokens_per_s:,.0f}",
-            f"{mfu:.0%}",
-            f"{r.time.total_s:.2f}",
-        )
-    console.print(table)
-    best = found[0].strategy
-    if best.optimizer != args.optimizer:
+    for goal, recommendations in found.items():
+        if not recommendations:
+            continue
+        best = recommendations[0].strategy
+        if goal == "full" and best.optimizer != args.optimizer:
+            console.print(
+                f"full: nothing fits with {args.optimizer}: these keep {best.optimizer}'s states"
+                + (
+                    " and bf16 weights without fp32 masters"
+                    if best.master_weights == "none"
+                    else ""
+                )
+            )
         console.print(
-            f"nothing fits with {args.optimizer}: these keep {best.optimizer}'s states"
-            + (" and bf16 weights without fp32 masters" if best.master_weights == "none" else "")
+            f"{goal}: run the first: {escape(train_command(model.name, best))}", highlight=False
         )
-    console.print(f"run the first: {escape(train_command(model.name, best))}", highlight=False)
-    return 0
+    return rc
+
+
+def _goals_table(
+    model: ModelConfig, gpu: GPU, seq_len: int, found: dict[str, list[Recommendation]]
+) -> Table:
+    """Each goal's fastest strategies (3 a goal where there are several goals) and, when these
+    all put activations in pinned host memory, the fastest that does not; a row saying so for a
+    goal that nothing fits."""
+    per_goal = 5 if len(found) == 1 else 3
+    table = Table(
+        title=f"memfit plan --recommend: {escape(model.name)} on {gpu.name} "
+        f"({gib(gpu.memory_bytes)}), seq {seq_len}, each goal fastest first"
+    )
+    for column in ("goal", "strategy", "peak allocated", "tokens/s (predicted)", "MFU", "step (s)"):
+        table.add_column(column)
+    for goal, recommendations in found.items():
+        if not recommendations:
+            table.add_row(goal, "[red]nothing fits[/]", "", "", "", "")
+        rows = recommendations[:per_goal]
+        if all(r.strategy.offload_activations for r in rows):
+            rows += [r for r in recommendations if not r.strategy.offload_activations][:1]
+        for r in rows:
+            flops = model_flops_per_token(model, r.strategy)
+            mfu = r.time.tokens_per_s * flops / gpu.bf16_flops
+            described = escape(r.strategy.describe())
+            if r.plan.host_bytes:
+                described += f" ({gib(r.plan.host_bytes)} pinned host memory)"
+            table.add_row(
+                goal,
+                described,
+                gib(r.plan.peak_bytes),
+                f"{r.time.tokens_per_s:,.0f}",
+                f"{mfu:.0%}",
+                f"{r.time.total_s:.2f}",
+            )
+        table.add_section()
+    return table
 
 
 def train_command(model: str, strategy: Strategy) -> str:
@@ -109,6 +240,18 @@ def train_command(model: str, strategy: Strategy) -> str:
         parts.append(f"--master-weights {strategy.master_weights}")
     if strategy.offload_activations:
         parts.append("--offload-activations")
+    if strategy.lora_rank:
+        parts.append(f"--lora-rank {strategy.lora_rank}")
+        if strategy.lora_targets != LORA_TARGETS:
+            parts.append(f"--lora-targets {','.join(strategy.lora_targets)}")
+        if strategy.lora_dropout:
+            parts.append(f"--lora-dropout {strategy.lora_dropout:g}")
+    if strategy.quantize_base != "none":
+        parts.append(f"--quantize-base {strategy.quantize_base}")
+    if strategy.teacher is not None:
+        parts.append("--teacher TEACHER_CHECKPOINT")
+        if strategy.teacher_quantize != "none":
+            parts.append(f"--teacher-quantize {strategy.teacher_quantize}")
     return " ".join(parts)
 
 
@@ -123,9 +266,11 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         check_at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     if args.seq_len is not None:
         check_at_least("--seq-len", args.seq_len, 1)
+    check_at_least("--lora-rank", args.lora_rank, 0, what=" (0: no LoRA)")
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
+    from_config = resolve_strategy_flags(args)
     check_plan_flags(args)
     if args.serve:
         return run_plan_serve(args, console)
@@ -133,8 +278,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.seq_len is None:
         args.seq_len = min(TRAIN_SEQ_LEN, model.max_seq_len)
     check_seq_len(model, args.seq_len)  # the engine refuses the same lengths
+    fields = fine_tuning(args, from_config)
     if args.recommend:
-        return run_rank_strategies(args, console, model)
+        return run_rank_strategies(args, console, model, fields)
     gpu = get_gpu(args.gpu)
     strategy = Strategy(
         precision=args.precision,
@@ -144,10 +290,12 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         checkpointing=args.checkpointing,
         optimizer=args.optimizer,
         master_weights=args.master_weights,
+        attention=getattr(args, "attention", "auto"),
         zero=args.zero,
         offload=args.offload,
         offload_activations=args.offload_activations,
         world_size=args.gpus,
+        **fields,
     )
     result = plan(model, strategy, gpu)
     time = step_time(model, strategy, gpu, host_cpus=args.host_cpus)
@@ -164,9 +312,16 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 
     console.print(
         f"[bold]memfit plan[/] {escape(model.name)} ({format_params(model.num_params)} params) on {args.gpus} x "
-        f"{gpu.name} ({gib(gpu.memory_bytes)}): {strategy.describe()}",
+        f"{gpu.name} ({gib(gpu.memory_bytes)}): {escape(strategy.describe())}",
         highlight=False,
     )
+    if strategy.lora_rank:
+        stored = strategy.quantize_base if strategy.quantize_base != "none" else strategy.precision
+        console.print(
+            f"trains {format_params(result.trainable_params)} adapter parameters "
+            f"({result.trainable_params / model.num_params:.2%}) on a frozen base in {stored}",
+            highlight=False,
+        )
     table = Table(title="predicted memory per GPU (torch.cuda.max_memory_allocated)")
     table.add_column("category")
     table.add_column(f"at the peak ({max(result.phases, key=result.phases.get)})", justify="right")
@@ -179,10 +334,12 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     table.add_row("[bold]peak allocated", f"[bold]{gib(result.peak_bytes)}")
     table.add_row("needed (+5% allocator slack, CUDA context)", gib(result.required_bytes))
     console.print(table)
+    teacher = f", teacher {time.teacher_s:.3f}" if strategy.teacher is not None else ""
     console.print(
         f"step: {time.total_s:.3f} s, {time.tokens_per_s:,.0f} tokens/s per GPU "
         f"(compute {time.compute_s:.3f}, recompute {time.recompute_s:.3f}, optimizer "
-        f"{time.optimizer_s:.3f}, communication {time.communication_s:.3f} s; memfit's time model)",
+        f"{time.optimizer_s:.3f}, communication {time.communication_s:.3f}{teacher} s; memfit's "
+        "time model)",
         highlight=False,
     )
     for note in result.notes:
@@ -339,7 +496,15 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         "the KV cache pool that fills the rest (tokens, blocks, sequences of --seq-len). Exits 1 when "
         "it does not fit.",
     )
-    p.add_argument("--model", default="llama-1b", help="preset or path to a HF config.json")
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="plan the run this `memfit train --config` file describes ([model], [data], "
+        "[train], [distributed], [lora], [distill]); the flags given beside it override it",
+    )
+    p.add_argument(
+        "--model", help="preset or path to a HF config.json (default llama-1b, or --config's)"
+    )
     p.add_argument(
         "--gpu",
         default="h100-sxm",
@@ -349,30 +514,29 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     p.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
-        default="bf16",
-        help="training precision; with --serve, the weights' and KV cache's dtype",
+        help="training precision (default bf16); with --serve, the weights' and KV cache's dtype",
     )
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, help="sequences per forward (default 1)")
     p.add_argument(
         "--seq-len",
         type=int,
         help=f"tokens per sequence, at most the model's max_seq_len (default {TRAIN_SEQ_LEN} or "
         "that if shorter; with --serve, the model's max_seq_len)",
     )
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--checkpointing", choices=["none", "full", "selective"], default="none")
-    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1)")
+    p.add_argument("--checkpointing", choices=["none", "full", "selective"], help="default none")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="default adamw")
     p.add_argument(
         "--master-weights",
         choices=["fp32", "none"],
-        default="fp32",
-        help="none: bf16 parameters without fp32 masters (bf16, adamw8bit, one GPU)",
+        help="none: bf16 parameters without fp32 masters (bf16, adamw8bit, one GPU); default fp32",
     )
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
-    p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default 0")
+    p.add_argument("--offload", choices=["none", "optimizer", "params"], help="default none")
     p.add_argument(
         "--offload-activations",
         action="store_true",
+        default=None,
         help="activations in pinned CPU memory (with --checkpointing: the block inputs)",
     )
     p.add_argument(
@@ -381,12 +545,46 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         default=16,
         help="CPU cores of each training node: the speed of offload's CPU step (default 16)",
     )
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        help="GiB of CPU memory of each node: --recommend pins at most half of it (activation "
+        "offload); default this machine's",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--recommend",
         action="store_true",
-        help="list the fastest strategies that fit (micro-batch, accumulation, checkpointing)",
+        help="list the fastest strategies that fit (micro-batch, accumulation, checkpointing) "
+        "of each goal: full fine-tuning, LoRA and QLoRA, or the one --lora-rank / "
+        "--quantize-base / --config ask for",
     )
+    tuning = p.add_argument_group("LoRA, QLoRA and distillation (as `memfit train` takes them)")
+    tuning.add_argument(
+        "--lora-rank",
+        type=int,
+        help="LoRA adapters of this rank on a frozen base (0: every weight trains; --recommend "
+        f"plans LoRA and QLoRA at {LORA_RANK} unless given)",
+    )
+    tuning.add_argument(
+        "--lora-targets",
+        help="comma-separated layers: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
+        "or all-linear (default)",
+    )
+    tuning.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input")
+    tuning.add_argument(
+        "--quantize-base",
+        choices=["none", "nf4", "int8"],
+        help="QLoRA: the frozen base in 4-bit NF4 (or int8); needs --lora-rank",
+    )
+    tuning.add_argument(
+        "--teacher",
+        help="distill from this teacher: a preset, a HF config.json or checkpoint directory, or "
+        "a memfit checkpoint (same vocabulary as --model)",
+    )
+    tuning.add_argument("--teacher-quantize", choices=["none", "nf4", "int8"])
+    tuning.add_argument("--distill-kind", choices=["kl", "jsd"])
+    tuning.add_argument("--distill-temperature", type=float, help="softmax temperature (default 1)")
     serve = p.add_argument_group("serving (--serve)")
     serve.add_argument(
         "--serve",

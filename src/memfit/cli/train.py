@@ -24,7 +24,7 @@ def choose_strategy(config: Config, console: Console) -> Config:
     """--auto: the planner's fastest strategy that fits the present GPU, keeping the tokens per
     optimizer step of the configuration (micro-batch x accumulation x sequence)."""
     from memfit.models.config import load_model_config
-    from memfit.planner import detect_gpu, rank_strategies
+    from memfit.planner import detect_gpu, fine_tuning_fields, rank_strategies
 
     gpu = detect_gpu()
     if gpu is None:
@@ -41,6 +41,7 @@ def choose_strategy(config: Config, console: Console) -> Config:
         seq_len=config.data.seq_len,
         tokens_per_step=tokens_per_step,
         optimizer=train.optimizer,
+        **fine_tuning_fields(config),  # a LoRA / QLoRA run plans as one, with its teacher
     )
     if not found:
         raise ValueError(

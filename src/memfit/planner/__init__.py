@@ -2,8 +2,15 @@
 search."""
 
 from memfit.planner.hardware import GPU, GPUS, detect_gpu, get_gpu
-from memfit.planner.memory import CATEGORIES, MemoryPlan, Strategy, plan, what_would_fit
-from memfit.planner.search import Recommendation, rank_strategies, recommend
+from memfit.planner.memory import (
+    CATEGORIES,
+    MemoryPlan,
+    Strategy,
+    fine_tuning_fields,
+    plan,
+    what_would_fit,
+)
+from memfit.planner.search import Recommendation, rank_goals, rank_strategies, recommend
 from memfit.planner.time import StepTime, step_time
 
 __all__ = [
@@ -15,8 +22,10 @@ __all__ = [
     "StepTime",
     "Strategy",
     "detect_gpu",
+    "fine_tuning_fields",
     "get_gpu",
     "plan",
+    "rank_goals",
     "rank_strategies",
     "recommend",
     "step_time",

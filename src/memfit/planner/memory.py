@@ -40,18 +40,46 @@ Phases: the peak of a step is the largest of
     and with the largest layer-backward transient;
   - optimizer step: params + grads + optimizer states.
 With gradient accumulation the gradients of earlier micro-batches are alive in every phase.
+
+LoRA (Hu et al. 2021; memfit.nn.lora, train/engine.py `_apply_lora`): the frozen base is held in
+the compute dtype (c bytes a parameter, never fp32) and only the adapters train, fp32 A (r x in)
+and B (rows x r) per targeted part of a fused layer (q, k, v of qkv; gate, up of gate_up), with
+fp32 gradients and optimizer states (the registry's bytes, for A = sum of r(in + rows)). Autocast
+casts nothing of a base already in the compute dtype; the output head is frozen, so the fused
+cross-entropy keeps no (V x h) fp32 grad_weight, and the embedding's output needs no gradient.
+A frozen product saves nothing of its input (its weight needs no gradient); adapter A saves it
+instead, and B the r-wide x A^T of each part (c*T*r a part): a block keeps what the full model's
+keeps. While an adapted layer runs, its update holds tensors of the layer's output width beside
+the base output (LORA_UPDATE: how LoRALinear.forward adds it), which a checkpointed block's rerun
+and the SwiGLU backward (c*T*(h + 2f), no weight gradient after it) compete for the block's peak.
+QLoRA (Dettmers et al. 2023; memfit.nn.quant): the blocks' linear weights stored as NF4 (per
+(out, in) weight: ceil(out*in/64) x 32 packed bytes + one int8 absmax per 64 + one fp32 scale per
+256 absmax + an fp32 mean, memfit.ops.quant.nf4) or int8 (one byte + an fp32 scale per row); the
+embeddings, norms and output head stay in the compute dtype. A product of more rows than
+memfit.nn.quant.FUSED_MAX_ROWS (QUANT_FUSED_MAX_ROWS: every NF4 training product) dequantizes its
+weight into the compute dtype for cuBLAS, forward and for the input's gradient: one layer's copy
+at a time; below, the fused kernel dequantizes inside the matmul and holds none.
+Distillation (memfit.train.distill): the teacher's weights (compute dtype or quantized, as the
+base) for the whole run; after the student's forward it runs in inference mode, one block's
+tensors alive at a time (c*T*(4h + 3f) at its SwiGLU), and returns its hidden states (c*T*h_t,
+alive through the loss). The fused distillation loss (memfit.ops.distill) replaces the
+cross-entropy: see `_distillation_loss` for what its chunks keep.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from memfit.config import check_parallelism
-from memfit.models.config import ModelConfig
+from memfit.models.config import ModelConfig, load_model_config
 from memfit.optim.registry import get_optimizer, model_state_bytes
 from memfit.planner.hardware import GPU, GiB
+
+if TYPE_CHECKING:
+    from memfit.config import Config
 
 CATEGORIES = (
     "params",
@@ -74,6 +102,18 @@ FRAGMENTATION = 0.05
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
 # memfit's linear cross-entropy sizes a chunk of fp32 logits to this many bytes (ops/cross_entropy.py).
 CE_CHUNK_BYTES = 512 * 2**20
+# the rows of a chunk of memfit.ops.distill.linear_distillation_loss (its default chunk_size,
+# which memfit.train.distill keeps)
+DISTILL_CHUNK_ROWS = 1024
+# the Hugging Face names of a Llama block's linear layers (memfit.nn.lora.LINEAR_NAMES): LoRA's
+# targets; "all-linear" is all of them (the output head is never one)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# memfit.ops.quant.nf4: weights per absmax, absmax values per second-level scale
+NF4_BLOCK = 64
+NF4_SCALE_BLOCK = 256
+# the CUDA caching allocator hands out blocks in multiples of 512 bytes
+ALLOCATION_GRANULE = 512
+Quantize = Literal["none", "nf4", "int8"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,10 +135,24 @@ class Strategy:
     # inputs, or without checkpointing what the blocks save
     offload_activations: bool = False
     world_size: int = 1
+    # LoRA (memfit.nn.lora): adapters of this rank on a frozen base; 0 trains every weight
+    lora_rank: int = 0
+    # Hugging Face layer names (LORA_TARGETS), or ("all-linear",); a comma-separated string too
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_dropout: float = 0.0
+    # QLoRA: the frozen base's block linear weights stored as NF4 or int8 (memfit.nn.quant)
+    quantize_base: Quantize = "none"
+    # distillation (memfit.train.distill): the teacher's shapes (None: plain cross-entropy),
+    # how its linear weights are stored, and the loss (memfit.ops.distill)
+    teacher: ModelConfig | None = None
+    teacher_quantize: Quantize = "none"
+    distill_kind: Literal["kl", "jsd"] = "kl"
+    distill_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.attention == "auto":
             object.__setattr__(self, "attention", "sdpa")
+        self._check_fine_tuning()
         if self.micro_batch < 1 or self.seq_len < 1 or self.grad_accum < 1 or self.world_size < 1:
             raise ValueError(
                 f"micro_batch, seq_len, grad_accum and world_size must be >= 1: {self}"
@@ -119,6 +173,67 @@ class Strategy:
                 f"without ZeRO or offload: {self}"
             )
 
+    def _check_fine_tuning(self) -> None:
+        """LoRA, QLoRA and the teacher: the refusals of memfit.config ([lora], [distill])."""
+        targets = self.lora_targets
+        if isinstance(targets, str):
+            targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+        targets = tuple(targets)
+        if "all-linear" in targets:
+            targets = LORA_TARGETS
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
+            raise ValueError(
+                f"LoRA targets {', '.join(map(repr, unknown)) or 'none'}: choose among "
+                f"{', '.join(LORA_TARGETS)}, or all-linear"
+            )
+        # (the layer order, as memfit.nn.lora.LoRASpec keeps them)
+        object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in targets))
+        for name in ("quantize_base", "teacher_quantize"):
+            if getattr(self, name) not in ("none", "nf4", "int8"):
+                raise ValueError(
+                    f"{name} = {getattr(self, name)!r}: choose 'none', 'nf4' or 'int8'"
+                )
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.quantize_base != "none" and not self.lora_rank:
+            raise ValueError(
+                f"quantize_base {self.quantize_base!r} quantizes the frozen base of a LoRA run: "
+                "set lora_rank (--lora-rank) too"
+            )
+        if self.lora_rank and (self.zero or self.offload != "none"):
+            raise ValueError(
+                f"LoRA trains on one process without ZeRO and offload (got --zero {self.zero} "
+                f"--offload {self.offload}): its adapters are a few MB and the frozen base is "
+                "stored once in the compute dtype; drop --zero and --offload"
+            )
+        if self.lora_rank and self.master_weights == "none":
+            raise ValueError(
+                "with LoRA the frozen base is already stored in the compute dtype and the "
+                "adapters keep fp32 weights: drop --master-weights none"
+            )
+        if self.teacher is None and self.teacher_quantize != "none":
+            raise ValueError(
+                f"teacher_quantize {self.teacher_quantize!r} stores a teacher's weights: give "
+                "the teacher (--teacher) too"
+            )
+        if self.distill_kind not in ("kl", "jsd") or not self.distill_temperature > 0:
+            raise ValueError(
+                f"distillation: kind 'kl' or 'jsd' and a temperature > 0, got "
+                f"{self.distill_kind!r} and {self.distill_temperature!r}"
+            )
+
+    @property
+    def goal(self) -> str:
+        """What the run trains: "full", "LoRA r16" or "QLoRA nf4 r16"."""
+        if not self.lora_rank:
+            return "full"
+        if self.quantize_base != "none":
+            return f"QLoRA {self.quantize_base} r{self.lora_rank}"
+        return f"LoRA r{self.lora_rank}"
+
     def describe(self) -> str:
         parts = [self.precision, f"mb {self.micro_batch}", f"seq {self.seq_len}"]
         if self.grad_accum > 1:
@@ -134,6 +249,12 @@ class Strategy:
             parts.append(self.optimizer)
         if self.master_weights == "none":
             parts.append("bf16 weights, no masters")
+        if self.lora_rank:
+            on = "" if self.lora_targets == LORA_TARGETS else f" on {','.join(self.lora_targets)}"
+            parts.append(f"{self.goal}{on}")
+        if self.teacher is not None:
+            stored = f" {self.teacher_quantize}" if self.teacher_quantize != "none" else ""
+            parts.append(f"teacher {self.teacher.name}{stored}")
         return ", ".join(parts)
 
 
@@ -161,6 +282,10 @@ class MemoryPlan:
     host_bytes: int = 0
     """Pinned CPU memory per rank under offload: the fp32 shards of parameters (the master copy),
     gradients and optimizer states the CPU step works on. The ranks of one node add up."""
+    trainable_params: int = 0
+    """Parameters that train: all of the model's, or with LoRA its adapters'."""
+    teacher_bytes: int = 0
+    """The teacher's weights (counted in params)."""
 
     @property
     def required_bytes(self) -> int:
@@ -178,10 +303,16 @@ class MemoryPlan:
         )
 
     def to_json(self) -> dict:
+        strategy = asdict(self.strategy)
+        if self.strategy.teacher is not None:
+            strategy["teacher"] = self.strategy.teacher.name
         return {
             "model": self.model.name,
             "gpu": self.gpu,
-            "strategy": asdict(self.strategy),
+            "goal": self.strategy.goal,
+            "strategy": strategy,
+            "trainable_params": self.trainable_params,
+            "teacher_bytes": self.teacher_bytes,
             "peak_bytes": self.peak_bytes,
             "required_bytes": self.required_bytes,
             "capacity_bytes": self.capacity_bytes,
@@ -192,20 +323,171 @@ class MemoryPlan:
         }
 
 
+def teacher_model(spec: str) -> ModelConfig:
+    """The shapes of a teacher named as `--teacher` or distill.teacher name it: a preset, a
+    Hugging Face config.json or checkpoint directory, or a memfit training checkpoint or run
+    directory (its meta.json's model)."""
+    path = Path(spec)
+    if path.is_dir() and not (path / "config.json").is_file():
+        from memfit.train.checkpoint import find_checkpoint, read_meta
+
+        checkpoint = find_checkpoint(path)
+        if checkpoint is not None:
+            return ModelConfig(**read_meta(checkpoint)["model"])
+    return load_model_config(spec)
+
+
+def fine_tuning_fields(config: Config) -> dict[str, Any]:
+    """The Strategy fields of a run configuration's [lora] and [distill] sections (none when it
+    trains every weight on cross-entropy alone): what the planner must plan that run with
+    (`memfit plan --config`, `memfit train --auto`, the engine's preflight)."""
+    fields: dict[str, Any] = {}
+    lora, distill = config.lora, config.distill
+    if lora.rank:
+        fields.update(
+            lora_rank=lora.rank,
+            lora_targets=lora.targets,
+            lora_dropout=lora.dropout,
+            quantize_base=lora.quantize,
+        )
+    if distill.teacher:
+        fields.update(
+            teacher=teacher_model(distill.teacher),
+            teacher_quantize=distill.teacher_quantize,
+            distill_kind=distill.kind,
+            distill_temperature=distill.temperature,
+        )
+    return fields
+
+
 def _sizes(model: ModelConfig) -> dict[str, int]:
     """The model family's sizes (models/<family>/spec.py)."""
     return model.spec.sizes
 
 
+@dataclass(frozen=True)
+class BlockLinear:
+    """One linear layer of a block as memfit builds it (fused qkv and gate_up), its output rows
+    in parts under their Hugging Face names (what LoRA targets)."""
+
+    name: str
+    in_features: int
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(rows for _, rows in self.parts)
+
+
+def block_linears(model: ModelConfig) -> tuple[BlockLinear, ...]:
+    """The linear layers of one block, in forward order (memfit.models.llama: Attention.qkv,
+    Attention.out, SwiGLUMLP.gate_up, SwiGLUMLP.down; their parts as the family's hf_layout
+    names them)."""
+    if model.family != "llama":
+        raise ValueError(
+            f"the planner knows the block layout of the llama family, not {model.family!r}"
+        )
+    s = _sizes(model)
+    h, q, kv, f = s["h"], s["q"], s["kv"], s["f"]
+    return (
+        BlockLinear("qkv", h, (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+        BlockLinear("out", q, (("o_proj", h),)),
+        BlockLinear("gate_up", h, (("gate_proj", f), ("up_proj", f))),
+        BlockLinear("down", f, (("down_proj", h),)),
+    )
+
+
+def adapted_parts(linear: BlockLinear, strategy: Strategy) -> list[tuple[str, int]]:
+    """The parts of `linear` that get an adapter under `strategy` (none without LoRA)."""
+    if not strategy.lora_rank:
+        return []
+    return [(name, rows) for name, rows in linear.parts if name in strategy.lora_targets]
+
+
+def adapter_params(model: ModelConfig, strategy: Strategy) -> int:
+    """LoRA's trainable parameters: A (rank x in) and B (rows x rank) for each targeted part of
+    each block's linear layers (memfit.nn.lora.apply_lora; 0 without LoRA)."""
+    r = strategy.lora_rank
+    per_layer = sum(
+        r * (linear.in_features + rows)
+        for linear in block_linears(model)
+        for _, rows in adapted_parts(linear, strategy)
+    )
+    return model.num_layers * per_layer
+
+
+def _allocated(nbytes: int) -> int:
+    """What the caching allocator hands out for a tensor of `nbytes`."""
+    return -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, kind: str) -> int:
+    """Device bytes of one (out, in) weight stored by memfit.ops.quant: NF4 with double-quantized
+    absmax (packed 4-bit indices, int8 absmax per 64, fp32 scale per 256 absmax, fp32 mean:
+    4.127 bits a weight) or int8 with an fp32 scale per row. Each buffer is one allocation."""
+    numel = out_features * in_features
+    if kind == "nf4":
+        blocks = -(-numel // NF4_BLOCK)
+        buffers = [blocks * NF4_BLOCK // 2, blocks, 4 * -(-blocks // NF4_SCALE_BLOCK), 4]
+    elif kind == "int8":
+        buffers = [numel, 4 * out_features]
+    else:
+        raise ValueError(f"quantize to 'nf4' or 'int8', got {kind!r}")
+    return sum(_allocated(b) for b in buffers)
+
+
+def frozen_model_bytes(model: ModelConfig, precision: str, quantize: str = "none") -> int:
+    """A model held for inference or as a frozen LoRA base: every parameter in the compute dtype
+    (bf16/fp16: 2 bytes, fp32: 4), or with `quantize` the blocks' linear weights quantized
+    (memfit.nn.quant.quantize_model) and the embeddings, norms, biases and head as they were."""
+    c = 4 if precision == "fp32" else 2
+    s = _sizes(model)
+    if quantize == "none":
+        return c * s["P"]
+    linears = sum(
+        quantized_weight_bytes(linear.out_features, linear.in_features, quantize)
+        for linear in block_linears(model)
+    )
+    return c * (s["P"] - s["L"] * s["P_matmul_layer"]) + s["L"] * linears
+
+
 def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | None = None) -> int:
-    """Bytes one block keeps for backward after its forward (per micro-batch): the family's spec."""
-    return model.spec.layer_activation_bytes(
+    """Bytes one block keeps for backward after its forward (per micro-batch): the family's spec,
+    and with LoRA what the adapters change of it (`_lora_saved_bytes`)."""
+    mode = mode or strategy.checkpointing
+    kept = model.spec.layer_activation_bytes(
         tokens=strategy.micro_batch * strategy.seq_len,
         seq_len=strategy.seq_len,
         precision=strategy.precision,
-        checkpointing=mode or strategy.checkpointing,
+        checkpointing=mode,
         attention=strategy.attention,
     )
+    if strategy.lora_rank and mode == "none":
+        kept += _lora_saved_bytes(model, strategy)
+    return kept
+
+
+def _lora_saved_bytes(model: ModelConfig, strategy: Strategy) -> int:
+    """What adapters change of a block's saved tensors (LoRALinear.forward). A frozen product
+    saves nothing of its input (its weight needs no gradient) and adapter A saves it instead, so a
+    layer with an adapter keeps what the full model's layer kept, plus x A^T (T x rank a part,
+    which the parts' B products save as slices of one tensor). A layer without one keeps its
+    input no more: the norm outputs (qkv's and gate_up's inputs) and the SwiGLU output (down's);
+    attention keeps its output (out's input) anyway. With dropout, A saves the dropped input in
+    place of the input, and dropout its mask (a byte an element); out's dropped copy comes on
+    top of the attention output."""
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    change = 0
+    for linear in block_linears(model):
+        parts = adapted_parts(linear, strategy)
+        if not parts:
+            change -= 0 if linear.name == "out" else c * T * linear.in_features
+            continue
+        change += c * T * strategy.lora_rank * len(parts)
+        if strategy.lora_dropout:
+            change += T * linear.in_features * (1 + (c if linear.name == "out" else 0))
+    return change
 
 
 def offloaded_bytes_per_layer(model: ModelConfig, strategy: Strategy) -> int:
@@ -225,12 +507,14 @@ def offloaded_weight_copies_per_layer(model: ModelConfig, strategy: Strategy) ->
     auto` compiles these on CUDA) saves its weights' low-precision copies inside its graph, and
     they move with its activations (eager blocks keep autocast's copies on the GPU). Measured
     on llama-1b, seq 8192: the 1.53 GiB a step of pinned memory beyond the activations, and
-    with them the step time within 1% (activation_offload.json)."""
+    with them the step time within 1% (activation_offload.json). (LoRA: the base is not cast,
+    and the adapters' copies are a few MB: 0.)"""
     if not (
         strategy.offload_activations
         and strategy.checkpointing == "none"
         and strategy.master_weights == "fp32"
         and strategy.precision != "fp32"
+        and not strategy.lora_rank
     ):
         return 0
     return 2 * _sizes(model)["P_matmul_layer"]
@@ -245,14 +529,87 @@ def _cross_entropy(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:
         c = 2 if low else 4
         return T * s["V"] * (c + 4), T * s["V"] * 4
     grad_hidden = T * s["h"] * (2 if strategy.precision == "bf16" else 4)
-    grad_weight = s["V"] * s["h"] * 4
+    # (LoRA: the head is frozen, so no grad_weight is computed)
+    grad_weight = 0 if strategy.lora_rank else s["V"] * s["h"] * 4
     rows = max(1, CE_CHUNK_BYTES // (s["V"] * 4))
     rows = min(T, max(256, rows // 256 * 256) if rows >= 256 else rows)
     logits = rows * s["V"] * 4
     grad_buffer = rows * s["V"] * 2 if strategy.precision == "bf16" else 0
-    # autocast's bf16 copy of an fp32 output weight (bf16 parameters need none)
-    weight_copy = s["V"] * s["h"] * 2 if low and strategy.master_weights == "fp32" else 0
+    # autocast's bf16 copy of an fp32 output weight (bf16 parameters, and a LoRA base held in
+    # the compute dtype, need none)
+    fp32_head = strategy.master_weights == "fp32" and not strategy.lora_rank
+    weight_copy = s["V"] * s["h"] * 2 if low and fp32_head else 0
     return grad_hidden + grad_weight, logits + grad_buffer + weight_copy
+
+
+# memfit.ops.distill's chunk, under bf16 autocast on CUDA, in (C x V) fp32 units: the student's
+# logits s (a bf16 matmul output: 1/2), the teacher's t (cast to fp32: 1), log_softmax(s) (1),
+# the cross-entropy's gradient (1), log_softmax(t / T) (1), q and p (2), and the KL's gradient
+# T(q - p) (1) with the two temporaries of alpha * it * mask (2): 9.5 when that last line runs.
+# JSD adds log m and u (2) and peaks at 11.5; a temperature other than 1 adds log_softmax(s / T).
+DISTILL_CHUNK_UNITS = {"kl": 9.5, "jsd": 11.5}
+
+
+def _distillation_loss(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:
+    """(saved bytes, transient bytes while it runs) of memfit.ops.distill.linear_distillation_loss
+    for one micro-batch, as its forward allocates (plain PyTorch, chunks of DISTILL_CHUNK_ROWS):
+    saved, grad_hidden (T x h, the hidden states' dtype) and, for a trainable head, its fp32
+    grad_weight (V x h); while it runs, DISTILL_CHUNK_UNITS of a chunk's (C x V) fp32 logits, the
+    chunk's fp32 hidden states (C x h), the teacher's hidden states it is given (T x h_t) and the
+    head's copies: a head in the compute dtype (LoRA's frozen one) is copied to fp32 (V x h x 4)
+    for the whole loss, an fp32 one is cast by autocast (V x h x 2)."""
+    s = _sizes(model)
+    teacher = strategy.teacher
+    assert teacher is not None
+    T = strategy.micro_batch * strategy.seq_len
+    c = 4 if strategy.precision == "fp32" else 2
+    rows = min(T, DISTILL_CHUNK_ROWS)
+    units = DISTILL_CHUNK_UNITS[strategy.distill_kind] + (strategy.distill_temperature != 1)
+    if strategy.precision == "fp32":  # (no autocast: the student's logits are fp32 too)
+        units += 0.5
+    head = s["V"] * s["h"]
+    saved = c * T * s["h"] + (0 if strategy.lora_rank else 4 * head)
+    if strategy.precision == "fp32":
+        head_copies = 0
+    elif strategy.lora_rank or strategy.master_weights == "none":  # a head in bf16
+        head_copies = 4 * head
+    else:
+        head_copies = 2 * head
+    transient = (
+        int(units * rows * s["V"] * 4)
+        + 4 * rows * s["h"]
+        + c * T * teacher.hidden_size
+        + head_copies
+    )
+    return saved, transient
+
+
+def _teacher_forward_bytes(strategy: Strategy) -> int:
+    """What the teacher's forward (inference mode, one block at a time) holds at its peak beyond
+    its weights, in the compute dtype: in its MLP the block's input, the attention branch, their
+    sum and its norm (4 x T x h_t: Block.forward's locals) beside gate_up's output and the
+    SwiGLU's (3 x T x f_t); a quantized teacher's products dequantize a layer's weight at a time
+    (above memfit.nn.quant's fused rows): gate_up's beside its output being written, down's
+    beside the SwiGLU output, its own and the residual sum (2 x T x h_t)."""
+    teacher = strategy.teacher
+    assert teacher is not None
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    h, f = teacher.hidden_size, teacher.intermediate_size
+    peak = c * T * (4 * h + 3 * f)
+    if strategy.teacher_quantize != "none":
+        linears = {linear.name: linear for linear in block_linears(teacher)}
+        copy = {
+            name: dequantized_copy_bytes(linears[name], strategy, strategy.teacher_quantize)
+            for name in ("gate_up", "down")
+        }
+        if copy["gate_up"]:
+            peak = max(
+                peak,
+                c * T * (4 * h + 2 * f) + copy["gate_up"],
+                c * T * (6 * h + f) + copy["down"],
+            )
+    return peak
 
 
 def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> MemoryPlan:
@@ -263,18 +620,34 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     c_low = 2 if strategy.precision != "fp32" else 0  # bytes of autocast's weight copies
     T = strategy.micro_batch * strategy.seq_len
 
+    lora = strategy.lora_rank > 0
+    teacher = strategy.teacher
+    if teacher is not None and teacher.vocab_size != model.vocab_size:
+        raise ValueError(
+            f"the teacher {teacher.name!r} has a vocabulary of {teacher.vocab_size} and the "
+            f"student {model.name!r} {model.vocab_size}: distillation compares their "
+            "distributions token by token, so they must share one tokenizer"
+        )
     # model states (ZeRO sharding of the flat buffers): the registry's formula, which the tests
-    # hold against ZeroOptimizer's real bytes
+    # hold against ZeroOptimizer's real bytes; with LoRA, of the adapters (fp32, one process)
+    # beside the frozen base
+    trainable = adapter_params(model, strategy) if lora else P
     states = model_state_bytes(
-        P,
+        trainable,
         optimizer=strategy.optimizer,
         zero=strategy.zero,
         world_size=N,
         offload=strategy.offload,
         param_bytes=2 if strategy.master_weights == "none" else 4,
-        embedding_params=model.vocab_size * model.hidden_size,
+        embedding_params=0 if lora else model.vocab_size * model.hidden_size,
     )
     params, grads, optimizer = states["params"], states["grads"], states["optimizer_states"]
+    if lora:
+        params += frozen_model_bytes(model, strategy.precision, strategy.quantize_base)
+    teacher_weights = 0
+    if teacher is not None:
+        teacher_weights = frozen_model_bytes(teacher, strategy.precision, strategy.teacher_quantize)
+        params += teacher_weights
     # bytes of a gradient element: bf16 parameters (no masters) have bf16 gradients
     g = 2 if strategy.master_weights == "none" else 4
 
@@ -288,13 +661,24 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         # in pinned CPU memory; on the GPU two layers' at most: one being copied out (or, in
         # backward, the block's own) and the next one coming back
         activations -= (L - min(L, 2)) * offloaded
-    ce_saved, ce_transient = _cross_entropy(model, strategy)
+    if teacher is None:
+        ce_saved, ce_transient = _cross_entropy(model, strategy)
+    else:
+        ce_saved, ce_transient = _distillation_loss(model, strategy)
     # (bf16 parameters: autocast has nothing to copy)
     weight_copies = c_low * L * s["P_matmul_layer"] if strategy.master_weights == "fp32" else 0
+    if lora:
+        # a base in the compute dtype is not cast; the fp32 adapters are (kept for backward
+        # without checkpointing)
+        weight_copies = _adapter_copy_bytes(model, strategy)
+        if strategy.checkpointing == "none":
+            # the first block's input is the frozen embedding's output, which needs no gradient:
+            # its attention norm saves nothing (checkpointing keeps the block input anyway)
+            activations -= c * T * s["h"] + 4 * T
     # (what compiled blocks save of these copies moves too: counted in pinned memory and in
     # the copies' time, not taken off here, where no measured peak has shown it)
     copies_moved = offloaded_weight_copies_per_layer(model, strategy)
-    output_grad = g * s["V"] * s["h"]
+    output_grad = 0 if lora else g * s["V"] * s["h"]
     if strategy.zero == 3:
         # parameters are gathered in the compute dtype (autocast copies nothing): the root (the
         # embedding, final norm and output projection) and two blocks, the running one and the
@@ -307,7 +691,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     # shard is written by the reduce-scatter of the last micro-batch)
     grads_alive_in_forward = 0
     if strategy.grad_accum > 1:
-        grads_alive_in_forward = 4 * P if strategy.zero == 1 else grads
+        grads_alive_in_forward = 4 * trainable if strategy.zero == 1 else grads
 
     ws = CUBLAS_WORKSPACE_BYTES
 
@@ -322,10 +706,34 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         logits_loss=ce_saved + ce_transient,
         temporaries=weight_copies,
     )
+    # ... or before it: the teacher's forward, beside the student's hidden states (its final
+    # norm's output), or without checkpointing the adapters of the last block's widest layer
+    # (LORA_UPDATE), beyond what that block keeps
+    before_loss = 0
+    if teacher is not None:
+        before_loss = c * T * s["h"] + _teacher_forward_bytes(strategy)
+    if lora and strategy.checkpointing == "none":
+        # (a quantized gate_up's product: its weight dequantized, its output being written, the
+        # block's gate_up and SwiGLU outputs not yet)
+        gate_up = next(linear for linear in block_linears(model) if linear.name == "gate_up")
+        dequantized = dequantized_copy_bytes(gate_up, strategy, strategy.quantize_base)
+        before_loss = max(
+            before_loss,
+            _lora_forward_excess(model, strategy),
+            dequantized - c * T * s["f"] if dequantized else 0,
+        )
+    if before_loss > ce_saved + ce_transient:
+        forward = phase(
+            grads=grads_alive_in_forward,
+            activations=activations,
+            temporaries=weight_copies + before_loss,
+        )
     # backward starts with the loss's saved gradients: grad_weight becomes the output projection's
     # gradient, grad_hidden flows into the final norm. Checkpointed forwards dropped their weight
     # copies when autocast exited; unchecked ones keep them until each layer's backward.
-    grad_hidden = ce_saved - 4 * s["V"] * s["h"] if strategy.fused_cross_entropy else ce_saved
+    grad_hidden = ce_saved
+    if strategy.fused_cross_entropy and not lora:
+        grad_hidden = ce_saved - 4 * s["V"] * s["h"]
     kept_copies = weight_copies if strategy.checkpointing == "none" or strategy.zero == 3 else 0
     transient = _layer_backward_transient(model, strategy)
     backward_first = phase(
@@ -336,6 +744,8 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     )
     # ... and ends with every layer's activations and copies freed and its fp32 gradients made
     layer_grad = g * s["P_layer"] // (N if strategy.zero >= 2 else 1)
+    if lora:
+        layer_grad = grads // L
     # ZeRO-3 keeps the root gathered to the end (the embedding's gradient comes last) and one
     # block's fp32 gradients in the reduce-scatter in flight
     zero3_last = c_param * root + 4 * s["P_layer"] if strategy.zero == 3 else 0
@@ -371,6 +781,13 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
 
     notes = []
     host = 0
+    if teacher is not None:
+        stored = (
+            strategy.teacher_quantize if strategy.teacher_quantize != "none" else "compute dtype"
+        )
+        notes.append(
+            f"params include the teacher {teacher.name}'s weights ({stored}): {gib(teacher_weights)}"
+        )
     if offloaded:
         host += L * (offloaded + copies_moved)
         what = "block inputs" if strategy.checkpointing != "none" else "activations"
@@ -398,6 +815,8 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         gpu=gpu.name if gpu is not None else None,
         notes=notes,
         host_bytes=host,
+        trainable_params=trainable,
+        teacher_bytes=teacher_weights,
     )
 
 
@@ -411,6 +830,8 @@ def _layer_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
     s = _sizes(model)
     c = 4 if strategy.precision == "fp32" else 2
     T = strategy.micro_batch * strategy.seq_len
+    if strategy.lora_rank:
+        return _lora_layer_backward_transient(model, strategy)
     transient = c * T * (s["h"] + 2 * s["f"]) + c * s["h"] * 2 * s["f"]
     transient = max(transient, _attention_backward_transient(model, strategy))
     if strategy.checkpointing in ("full", "selective"):
@@ -419,6 +840,134 @@ def _layer_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
         )
         transient += rebuilt + (2 * s["P_matmul_layer"] if strategy.precision != "fp32" else 0)
     return transient
+
+
+def _lora_layer_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
+    """`_layer_backward_transient` with LoRA: the largest of
+    - the SwiGLU backward, c*T*(h + 2f) as in the full model, but no weight gradient follows
+      (the base is frozen; an adapter's is rows x rank);
+    - a rerun block (checkpointing) at its widest adapted layer (`_lora_forward_excess`, with the
+      gradient flowing in, Th);
+    - a quantized base's products with a dequantized weight (`_dequantized_weight_peak`);
+    - attention's backward;
+    over the block's rebuilt activations (checkpointing) and one block's adapter copies."""
+    s = _sizes(model)
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    transient = max(
+        c * T * (s["h"] + 2 * s["f"]),
+        _attention_backward_transient(model, strategy),
+        _dequantized_weight_peak(model, strategy),
+    )
+    if strategy.checkpointing in ("full", "selective"):
+        rebuilt = layer_activation_bytes(model, strategy, mode="none") - layer_activation_bytes(
+            model, strategy
+        )
+        rerun = c * T * s["h"] + _lora_forward_excess(model, strategy)
+        copies = _adapter_copy_bytes(model, strategy) // s["L"]
+        transient = rebuilt + max(transient, rerun) + copies
+    return transient
+
+
+# How LoRALinear.forward adds the adapters' update to the base's product (memfit.nn.lora), which
+# sets what one adapted layer of output width w holds while it runs:
+# - "addmm": y = addmm(base, x A^T, B^T) with B block-diagonal over the parts: the base output
+#   and y, 2w (`base` is referenced until forward returns, so at gate_up beside the SwiGLU
+#   output too);
+# - "concat" (6f05e43 to f140293, the commits of the runs in benchmarks/results/lora.json): each
+#   part's B product, their concatenation and its scaled copy beside the base output, 4w (3w for
+#   a single part, which is not concatenated).
+LORA_UPDATE: Literal["addmm", "concat"] = "addmm"
+
+
+def _lora_forward_excess(model: ModelConfig, strategy: Strategy) -> int:
+    """The most a block's forward holds with LoRA beyond what it keeps once done: at the adapted
+    layer where LORA_UPDATE's tensors peak, those (plus dropout's output and mask, in x (c + 1)
+    bytes) less what the block saves from that layer on (models/llama/spec.py's terms: at
+    gate_up its and the SwiGLU's outputs, 3Tf; after down nothing). "addmm": 2f at gate_up;
+    "concat": 8Tf - 3Tf = 5Tf there. (At qkv and out the rest of the block keeps more than the
+    update holds.)"""
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    s = _sizes(model)
+    kept_after = {
+        "qkv": 2 * s["q"] + 2 * s["kv"] + 2 * s["h"] + 3 * s["f"],
+        "out": 2 * s["h"] + 3 * s["f"],
+        "gate_up": 3 * s["f"],
+        "down": 0,
+    }
+    excess = 0
+    for linear in block_linears(model):
+        if not adapted_parts(linear, strategy):
+            continue
+        width = linear.out_features
+        if LORA_UPDATE == "addmm":
+            held = 2 * width + (s["f"] if linear.name == "gate_up" else 0)
+        else:
+            held = (4 if len(linear.parts) > 1 else 3) * width
+        dropped = linear.in_features * (c + 1) / c if strategy.lora_dropout else 0
+        excess = max(excess, int(c * T * (held + dropped - kept_after[linear.name])))
+    return excess
+
+
+def _adapter_copy_bytes(model: ModelConfig, strategy: Strategy) -> int:
+    """The adapters as the products take them, all blocks: the parts' A stacked (k r x in) and
+    (LORA_UPDATE "addmm") B block-diagonal over the layer's parts (out x k r, its zero blocks
+    included; "concat": each part's B), in the compute dtype (autocast's copies of the fp32
+    adapters), or in fp32 only where stacking makes new tensors (a layer of several parts).
+    Without checkpointing the products keep them for backward."""
+    if not strategy.lora_rank:
+        return 0
+    r, elements = strategy.lora_rank, 0
+    for linear in block_linears(model):
+        parts = adapted_parts(linear, strategy)
+        stacked = len(linear.parts) > 1
+        if not parts or (strategy.precision == "fp32" and not stacked):
+            continue
+        elements += len(parts) * r * linear.in_features
+        if LORA_UPDATE == "addmm" and stacked:
+            elements += linear.out_features * len(parts) * r
+        elif strategy.precision != "fp32":
+            elements += sum(rows for _, rows in parts) * r
+    c = 4 if strategy.precision == "fp32" else 2
+    return c * model.num_layers * elements
+
+
+# memfit.nn.quant.FUSED_MAX_ROWS: a quantized product of at most this many rows dequantizes
+# inside the matmul kernel; above it the weight is dequantized whole (compute dtype, one layer's
+# at a time) for cuBLAS, forward and backward.
+QUANT_FUSED_MAX_ROWS = {"nf4": 0, "int8": 16}
+
+
+def dequantized_copy_bytes(linear: BlockLinear, strategy: Strategy, kind: str) -> int:
+    """The compute-dtype copy a product with a quantized `linear` makes of its weight: none where
+    the kernel dequantizes inside the matmul (at most QUANT_FUSED_MAX_ROWS[kind] rows, bf16 or
+    fp16), else the whole weight."""
+    rows = strategy.micro_batch * strategy.seq_len
+    if kind == "none" or (strategy.precision != "fp32" and rows <= QUANT_FUSED_MAX_ROWS[kind]):
+        return 0
+    c = 4 if strategy.precision == "fp32" else 2
+    return c * linear.in_features * linear.out_features
+
+
+def _dequantized_weight_peak(model: ModelConfig, strategy: Strategy) -> int:
+    """With a quantized base, beyond a block's saved tensors, its products' dequantized weights
+    where they peak: gate_up's input gradient (the gradient flowing in Th, d gate_up 2Tf and dx
+    Th alive, gate_up's and the SwiGLU's outputs 3Tf freed: c*T*(2h - f)) and down's (the
+    gradient flowing in and dx Tf: c*T*(h + f)), each with its weight in the compute dtype.
+    (The forward's products hold less: the gradient flowing in and the output being written.)"""
+    if strategy.quantize_base == "none":
+        return 0
+    c = 4 if strategy.precision == "fp32" else 2
+    T = strategy.micro_batch * strategy.seq_len
+    s = _sizes(model)
+    linears = {linear.name: linear for linear in block_linears(model)}
+    kind = strategy.quantize_base
+    gate_up = dequantized_copy_bytes(linears["gate_up"], strategy, kind)
+    down = dequantized_copy_bytes(linears["down"], strategy, kind)
+    if not gate_up:
+        return 0
+    return max(c * T * (2 * s["h"] - s["f"]) + gate_up, c * T * (s["h"] + s["f"]) + down)
 
 
 def _attention_backward_transient(model: ModelConfig, strategy: Strategy) -> int:
@@ -471,6 +1020,17 @@ def what_would_fit(
     for gpus in (2, 4, 8, 16, 32, 64):
         if gpus > strategy.world_size:
             candidates.append((f"--zero 3 on {gpus} GPUs", {"zero": 3, "world_size": gpus}))
+    # last, since they change what trains: adapters on a frozen base (in the compute dtype, or
+    # NF4; the fp32 masters they need)
+    lora = {"lora_rank": strategy.lora_rank or 16, "master_weights": "fp32"}
+    single_process = strategy.zero == 0 and strategy.offload == "none"
+    masters = " --master-weights fp32" if strategy.master_weights == "none" else ""
+    if not strategy.lora_rank and single_process:
+        candidates.append((f"--lora-rank 16{masters} (LoRA: adapters on a frozen base)", lora))
+    if strategy.quantize_base == "none" and single_process:
+        rank = "" if strategy.lora_rank else "--lora-rank 16 "
+        label = f"{rank}--quantize-base nf4{masters} (QLoRA: adapters on an NF4 base)"
+        candidates.append((label, {**lora, "quantize_base": "nf4"}))
     found = []
     for label, changes in candidates:
         try:

@@ -7,19 +7,43 @@ so that a step holds about `tokens_per_step` tokens. Single-GPU strategies only:
 ZeRO stages 0-3 and offload on several GPUs (torchrun), but the search does not enumerate them
 yet, so `gpus > 1` is refused rather than answered with single-GPU strategies; `memfit plan
 --gpus N --zero S [--offload ...]` plans one such strategy.
+
+A strategy trains the whole model or, with LoRA fields (`lora_rank`, `quantize_base`: QLoRA),
+adapters on a frozen base, and may distill from a teacher (`teacher`): `rank_strategies` keeps
+those fields as given (what `memfit train --auto` runs: the configuration's goal, never another),
+`rank_goals` ranks each goal apart (full fine-tuning, LoRA, QLoRA), since they train different
+things and are not to be compared by speed alone.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from memfit.models.config import ModelConfig, check_seq_len
 from memfit.planner.hardware import GPU
 from memfit.planner.memory import MemoryPlan, Strategy, plan
 from memfit.planner.time import StepTime, step_time
 
+LORA_RANK = 16
+"""The adapters' rank `rank_goals` plans LoRA and QLoRA with unless told (peft's examples, the
+benchmarks)."""
+
 SAFETY_MARGIN = 0.05
 """Fraction of the GPU's memory left unplanned on top of MemoryPlan.required_bytes."""
+
+HOST_PINNED_FRACTION = 0.5
+"""Of the host's memory, the most that a strategy may pin (activation offload, offload's CPU
+state): pinned pages cannot be swapped out, and the process, the data and the OS need the rest."""
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @dataclass
@@ -44,8 +68,15 @@ def rank_strategies(
     tokens_per_step: int = 2**19,
     optimizer: str = "adamw",
     limit: int = 10,
+    host_memory: int | None = None,
+    **fine_tuning: Any,
 ) -> list[Recommendation]:
-    """Strategies that fit `gpu` with the safety margin, fastest first (at most `limit`)."""
+    """Strategies that fit `gpu` with the safety margin, fastest first (at most `limit`), pinning
+    at most HOST_PINNED_FRACTION of `host_memory` bytes (default: this machine's).
+    fine_tuning: Strategy fields every strategy keeps (lora_rank, lora_targets, lora_dropout,
+    quantize_base, teacher, teacher_quantize, distill_kind, distill_temperature): LoRA or QLoRA
+    search those, with `optimizer` over the adapters; full fine-tuning falls back to memory-lean
+    optimizers where nothing fits."""
     if gpus != 1:
         raise ValueError(
             f"--gpus {gpus}: --recommend searches single-GPU strategies only (micro-batch, "
@@ -55,15 +86,55 @@ def rank_strategies(
     check_seq_len(model, seq_len, "seq_len")
     # the optimizer asked for first; where nothing fits with AdamW, its memory-lean forms: 8-bit
     # states (6 bytes per parameter fewer), then bf16 weights without fp32 masters (4 more)
+    # (LoRA's states are a few MB: its adapters keep fp32 weights and the optimizer asked for)
     tries = [(optimizer, "fp32")]
-    if optimizer == "adamw":
+    if optimizer == "adamw" and not fine_tuning.get("lora_rank"):
         tries += [("adamw8bit", "fp32"), ("adamw8bit", "none")]
+    host = host_memory if host_memory is not None else host_memory_bytes()
+    pinned = int(host * HOST_PINNED_FRACTION) if host else None
     for name, master_weights in tries:
-        found = _search(model, gpu, seq_len, tokens_per_step, name, master_weights)
+        found = _search(
+            model, gpu, seq_len, tokens_per_step, name, master_weights, fine_tuning, pinned
+        )
         if found:
             break
     found.sort(key=lambda r: r.time.tokens_per_s, reverse=True)
     return found[:limit]
+
+
+def rank_goals(
+    model: ModelConfig,
+    gpu: GPU,
+    *,
+    goals: tuple[str, ...] = ("full", "lora", "qlora"),
+    lora_rank: int = LORA_RANK,
+    quantize: str = "nf4",
+    limit: int = 5,
+    **options: Any,
+) -> dict[str, list[Recommendation]]:
+    """`rank_strategies` for each of `goals`: "full" (every weight trains), "lora" (adapters of
+    `lora_rank` on a base in the compute dtype), "qlora" (the same on a base stored as
+    `quantize`), keyed by the strategies' `Strategy.goal` label ("full", "LoRA r16", "QLoRA nf4
+    r16"), each fastest first; a goal nothing fits maps to []. options: rank_strategies'
+    (seq_len, gpus, tokens_per_step, optimizer) and the fields each goal keeps (lora_targets,
+    lora_dropout, teacher, ...)."""
+    unknown = [g for g in goals if g not in ("full", "lora", "qlora")]
+    if unknown:
+        raise ValueError(f"unknown goal {unknown[0]!r}: choose among full, lora, qlora")
+    found = {}
+    for goal in goals:
+        fields: dict[str, Any] = dict(options)
+        if goal == "full":
+            for name in ("lora_targets", "lora_dropout"):
+                fields.pop(name, None)
+        else:
+            fields["lora_rank"] = lora_rank
+            fields["quantize_base"] = quantize if goal == "qlora" else "none"
+        label = Strategy(
+            lora_rank=fields.get("lora_rank", 0), quantize_base=fields.get("quantize_base", "none")
+        ).goal
+        found[label] = rank_strategies(model, gpu, limit=limit, **fields)
+    return found
 
 
 def _search(
@@ -73,6 +144,8 @@ def _search(
     tokens_per_step: int,
     optimizer: str,
     master_weights: str,
+    fine_tuning: dict[str, Any],
+    pinned: int | None,
 ) -> list[Recommendation]:
     budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
     found = []
@@ -92,9 +165,10 @@ def _search(
                 offload_activations=offload_activations,
                 optimizer=optimizer,
                 master_weights=master_weights,
+                **fine_tuning,
             )
             memory = plan(model, strategy, gpu)
-            if memory.required_bytes > budget:
+            if memory.required_bytes > budget or (pinned and memory.host_bytes > pinned):
                 break  # larger micro-batches need more still
             found.append(Recommendation(strategy, memory, step_time(model, strategy, gpu)))
             micro_batch *= 2

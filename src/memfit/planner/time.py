@@ -31,6 +31,23 @@ offload, are held out and tested against it), and measured apart where a rate ca
 On 4 and 8 GPUs the model assumes the bus bandwidth and the exposed part measured at 2: true of
 ring collectives on a switched NVLink node to first order (each GPU drives the same links), not
 yet measured here.
+
+LoRA, QLoRA and distillation follow the engine's dataflow at the same rates (no constant fitted
+to their steps; the dequantizing kernels' rates measured on their own):
+- LoRA: the frozen base's products run forward and for the input's gradient only (no weight
+  gradient: 4 FLOPs per parameter, not 6; the input embedding none), the adapters 6 per adapter
+  parameter; the base is not cast (no weight traffic), the adapters are. The adapters' update
+  moves (T x width) tensors outside the matmuls' FLOPs (`lora_traffic_bytes_per_token`), at the
+  HBM rate.
+- QLoRA: above memfit.nn.quant.FUSED_MAX_ROWS rows (every training product) each product
+  dequantizes its weight into the compute dtype and runs cuBLAS at the bf16 rate: the
+  dequantization's bytes (read the stored weight, write the copy) at the rate the dequantize
+  kernel reaches (DEQUANTIZE_HBM_EFFICIENCY, measured), per forward, recompute and input
+  gradient. Below it the fused kernel runs at the bf16 rate divided by QUANT_MATMUL_SLOWDOWN.
+- The teacher: one forward per micro-batch, 2 FLOPs per teacher parameter plus its attention, at
+  the efficiency of its own width; the distillation loss's elementwise passes over the (T x V)
+  logits at the HBM rate (DISTILL_LOSS_BYTES_PER_LOGIT), and a trainable head's gradient in fp32
+  (memfit.ops.distill accumulates it with an fp32 addmm_).
 """
 
 from __future__ import annotations
@@ -40,11 +57,17 @@ from dataclasses import dataclass
 
 from memfit.models.config import ModelConfig
 from memfit.optim.registry import get_optimizer
+from memfit.planner import memory
 from memfit.planner.hardware import GPU
 from memfit.planner.memory import (
     Strategy,
+    adapted_parts,
+    adapter_params,
+    block_linears,
+    dequantized_copy_bytes,
     offloaded_bytes_per_layer,
     offloaded_weight_copies_per_layer,
+    quantized_weight_bytes,
 )
 
 PEAK_EFFICIENCY = 0.76
@@ -57,6 +80,23 @@ GPUS_PER_NODE = 8
 PCIE_BYTES_PER_S = 53e9  # host <-> GPU, pinned memory, one direction (H100/H200 hosts, Gen5)
 CPU_ADAM_PARAMS_PER_S = 4.4e9  # torch's fused AdamW with unscaling, a node of HOST_CPUS cores
 HOST_CPUS = 16
+QUANT_MATMUL_SLOWDOWN = 2.5
+"""How much slower memfit's fused dequantizing matmul (memfit.ops.quant.matmul) runs than the
+bf16 cuBLAS product it replaces, where memfit.nn.quant runs it: products of at most
+FUSED_MAX_ROWS rows (int8, 16). benchmarks/results/quant_matmul.json (H200, 005dd84): int8 at 16
+rows, 2.0x (llama-3-8b's gate_up) to 3.1x (out). Training products are larger: they take the
+dequantize-then-cuBLAS path (DEQUANTIZE_HBM_EFFICIENCY)."""
+DEQUANTIZE_HBM_EFFICIENCY = 0.57
+"""The fraction of the HBM bandwidth memfit.ops.quant.matmul.dequantize reaches, reading NF4 and
+writing bf16 (2.52 bytes a weight): llama-3-8b's gate_up (117M weights) in 108 us on an H200
+(benchmarks/results/quant_matmul.json, 005dd84): 2.7 of 4.8 TB/s. int8's reaches about as much;
+the smaller weights' less (qkv 25M weights, 54 us)."""
+# memfit.ops.distill's elementwise passes over each (C x V) chunk under bf16 autocast, bytes read
+# and written per logit: casts, two log-softmax, the exponentials, the KL terms and gradients
+# (KL: 168; JSD's mean distribution and its terms add 92; a temperature other than 1 adds the
+# scaled student logits and their log-softmax, 22)
+DISTILL_LOSS_BYTES_PER_LOGIT = {"kl": 168, "jsd": 260}
+DISTILL_TEMPERATURE_BYTES_PER_LOGIT = 22
 
 
 @dataclass
@@ -67,10 +107,18 @@ class StepTime:
     communication_s: float
     tokens: int
     """Tokens per optimizer step on one GPU."""
+    teacher_s: float = 0.0
+    """Distillation: the teacher's forwards and the distillation loss beyond a cross-entropy's."""
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.optimizer_s + self.communication_s
+        return (
+            self.compute_s
+            + self.recompute_s
+            + self.optimizer_s
+            + self.communication_s
+            + self.teacher_s
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,6 +146,75 @@ def weight_traffic_bytes(strategy: Strategy) -> int:
     return 6 * forwards + 14
 
 
+def training_flops_per_token(model: ModelConfig, strategy: Strategy) -> float:
+    """FLOPs per token of a forward and backward. Full fine-tuning: the family's 6 per parameter
+    plus attention (ModelConfig.flops_per_token). LoRA: the base's forward (2 per parameter) and
+    its input gradient (2 per parameter, none for the input embedding, whose output needs no
+    gradient), the adapters' 6, attention's forward and backward."""
+    flops = model.flops_per_token(strategy.seq_len)
+    if not strategy.lora_rank:
+        return flops
+    P = model.num_params
+    embedding = 0 if model.tie_embeddings else model.vocab_size * model.hidden_size
+    attention = 3 * model.spec.attention_forward_flops(strategy.seq_len)
+    return 4 * P - 2 * embedding + 6 * adapter_params(model, strategy) + attention
+
+
+def model_flops_per_token(model: ModelConfig, strategy: Strategy) -> float:
+    """The FLOPs per token a step does for the model (MFU's numerator): the training FLOPs
+    (`training_flops_per_token`; recompute not counted) and the teacher's forward."""
+    flops = training_flops_per_token(model, strategy)
+    if strategy.teacher is not None:
+        teacher = strategy.teacher
+        flops += 2 * teacher.num_params + teacher.spec.attention_forward_flops(strategy.seq_len)
+    return flops
+
+
+def lora_traffic_bytes_per_token(model: ModelConfig, strategy: Strategy) -> float:
+    """HBM bytes per token that the adapters' update moves outside the matmuls' FLOPs, over a
+    forward, its recompute (checkpointing) and the backward, per adapted layer of input width n
+    and output width w, in the compute dtype (memory.LORA_UPDATE's dataflow):
+    - forward: A reads x (n); "addmm" reads the base output and writes y (2w); "concat" writes
+      the parts' products, concatenates and scales them and adds the base (8w; 6w for one part);
+    - backward: the update's gradient read by B's two products (2w; "concat" scales it first,
+      4w), A's input gradient written and its weight gradient reading x (2n), the two input
+      gradients summed (3n)."""
+    if not strategy.lora_rank:
+        return 0.0
+    c = 4 if strategy.precision == "fp32" else 2
+    forwards = 1 if strategy.checkpointing == "none" else 2
+    total = 0
+    for linear in block_linears(model):
+        if not adapted_parts(linear, strategy):
+            continue
+        n, w = linear.in_features, linear.out_features
+        if memory.LORA_UPDATE == "addmm":
+            forward, backward = n + 2 * w, 2 * w + 5 * n
+        else:
+            forward = n + (8 if len(linear.parts) > 1 else 6) * w
+            backward = 4 * w + 5 * n
+        total += forwards * forward + backward
+    return c * total * model.num_layers
+
+
+def dequantization_bytes(model: ModelConfig, strategy: Strategy, kind: str) -> int:
+    """HBM bytes one pass over a quantized model's block products moves to dequantize its
+    weights for cuBLAS (memfit.nn.quant above FUSED_MAX_ROWS rows): each weight read as stored
+    and written in the compute dtype; 0 where the fused kernel runs instead."""
+    total = 0
+    for linear in block_linears(model):
+        copy = dequantized_copy_bytes(linear, strategy, kind)
+        if copy:
+            stored = quantized_weight_bytes(linear.out_features, linear.in_features, kind)
+            total += copy + stored
+    return total * model.num_layers
+
+
+def _base_matmul_flops_per_token(model: ModelConfig) -> float:
+    """2 FLOPs per block matrix parameter: one pass of a token through the blocks' products."""
+    return 2 * model.num_layers * model.spec.sizes["P_matmul_layer"]
+
+
 def communication_bytes(model: ModelConfig, strategy: Strategy) -> float:
     """Bytes each GPU's links carry per optimizer step (the bus bytes of nccl-tests), with
     share = (N-1)/N: the fp32 gradients reduced, 4P x share by reduce-scatter, twice that by
@@ -106,6 +223,8 @@ def communication_bytes(model: ModelConfig, strategy: Strategy) -> float:
     reuses the backward's gather). Stages 0-1 reduce once per step (accumulation runs without
     sync), stages 2-3 once per micro-batch."""
     P, N = model.num_params, strategy.world_size
+    if strategy.lora_rank:  # only the adapters have gradients
+        P = adapter_params(model, strategy)
     if N == 1:
         return 0.0
     share = (N - 1) / N
@@ -129,22 +248,41 @@ def step_time(
     rate = gpu.bf16_flops * efficiency(model)
     if strategy.precision == "fp32":
         rate /= FP32_SLOWDOWN
-    flops_per_token = model.flops_per_token(strategy.seq_len)
-    P = model.num_params
+    flops_per_token = training_flops_per_token(model, strategy)
+    # the parameters whose weights and gradients the step casts, accumulates and updates
+    P = adapter_params(model, strategy) if strategy.lora_rank else model.num_params
     hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
     weights = strategy.grad_accum * P * weight_traffic_bytes(strategy) / hbm
     compute = tokens * flops_per_token / rate + weights
+    compute += tokens * lora_traffic_bytes_per_token(model, strategy) / hbm
 
     # the blocks' forward is recomputed (not the embedding or the loss): 2 FLOPs per block
     # parameter plus attention's score and value products, which selective keeps instead
+    # (LoRA: and the adapters' forward)
     attention_forward = model.spec.attention_forward_flops(strategy.seq_len)
     forward_per_token = model.spec.block_forward_flops(strategy.seq_len)
+    forward_per_token += 2 * adapter_params(model, strategy)
     if strategy.checkpointing == "full":
         recompute = tokens * forward_per_token / rate
     elif strategy.checkpointing == "selective":
         recompute = tokens * max(0.0, forward_per_token - attention_forward) / rate
     else:
         recompute = 0.0
+    # QLoRA: each pass of the base's products (forward, recompute, input gradient) dequantizes
+    # its weights for cuBLAS, or runs the fused kernel (QUANT_MATMUL_SLOWDOWN)
+    if strategy.quantize_base != "none":
+        passes = 2 if strategy.checkpointing == "none" else 3
+        copies = dequantization_bytes(model, strategy, strategy.quantize_base)
+        dequantize = gpu.hbm_bytes_per_s * DEQUANTIZE_HBM_EFFICIENCY
+        compute += strategy.grad_accum * passes * copies / dequantize
+        if not copies:
+            compute += (
+                (QUANT_MATMUL_SLOWDOWN - 1)
+                * passes
+                * tokens
+                * _base_matmul_flops_per_token(model)
+                / rate
+            )
 
     N = strategy.world_size
     bytes_per_param = get_optimizer(strategy.optimizer).update_bytes_per_param
@@ -192,4 +330,40 @@ def step_time(
         optimizer_s=optimizer,
         communication_s=communication,
         tokens=tokens,
+        teacher_s=teacher_time(model, strategy, gpu),
     )
+
+
+def teacher_time(model: ModelConfig, strategy: Strategy, gpu: GPU) -> float:
+    """Seconds per optimizer step that distillation adds to a step with a cross-entropy: the
+    teacher's forward of every micro-batch (2 FLOPs per teacher parameter, its output head's
+    product in the loss included, plus its attention) at the efficiency of its width, its
+    dequantization passes if quantized; the distillation loss's elementwise passes over the
+    logits; and a trainable head's gradient, which memfit.ops.distill accumulates in fp32."""
+    teacher = strategy.teacher
+    if teacher is None:
+        return 0.0
+    tokens = strategy.micro_batch * strategy.seq_len * strategy.grad_accum
+    rate = gpu.bf16_flops * efficiency(teacher)
+    if strategy.precision == "fp32":
+        rate /= FP32_SLOWDOWN
+    hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
+    flops = 2 * teacher.num_params + teacher.spec.attention_forward_flops(strategy.seq_len)
+    seconds = tokens * flops / rate
+    if strategy.teacher_quantize != "none":
+        copies = dequantization_bytes(teacher, strategy, strategy.teacher_quantize)
+        seconds += strategy.grad_accum * copies / (gpu.hbm_bytes_per_s * DEQUANTIZE_HBM_EFFICIENCY)
+        if not copies:
+            seconds += (
+                (QUANT_MATMUL_SLOWDOWN - 1) * tokens * _base_matmul_flops_per_token(teacher) / rate
+            )
+    per_logit = DISTILL_LOSS_BYTES_PER_LOGIT[strategy.distill_kind]
+    if strategy.distill_temperature != 1:
+        per_logit += DISTILL_TEMPERATURE_BYTES_PER_LOGIT
+    seconds += tokens * model.vocab_size * per_logit / hbm
+    if not strategy.lora_rank and strategy.precision != "fp32":
+        # the head's gradient: an fp32 product where a cross-entropy's is bf16 (in the 6 FLOPs)
+        student_rate = gpu.bf16_flops * efficiency(model)
+        head = 2 * model.vocab_size * model.hidden_size
+        seconds += tokens * head * (FP32_SLOWDOWN - 1) / student_rate
+    return seconds

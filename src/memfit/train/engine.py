@@ -201,7 +201,7 @@ class Trainer:
         )
         self.attention = attention
         lora = config.lora.spec()
-        if self.device.type == "cuda" and lora is None:  # (the planner counts no LoRA yet)
+        if self.device.type == "cuda":
             from memfit.planner import detect_gpu
 
             gpu = detect_gpu()
@@ -720,7 +720,7 @@ class Trainer:
 
     def strategy(self):
         """This run's settings as the planner's Strategy."""
-        from memfit.planner import Strategy
+        from memfit.planner import Strategy, fine_tuning_fields
 
         train, dist_cfg = self.config.train, self.config.distributed
         return Strategy(
@@ -730,6 +730,7 @@ class Trainer:
             master_weights=train.master_weights,
             attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
             offload_activations=train.offload_activations, world_size=self.world.world_size,
+            **fine_tuning_fields(self.config),
         )  # fmt: skip
 
     def _out_of_memory(self, error: torch.OutOfMemoryError) -> OutOfMemory:
