@@ -66,6 +66,54 @@ def test_fp32_error_within_twice_pytorchs_own(kind):
         assert error <= 2 * (theirs.double() - truth).abs().max() + 1e-7
 
 
+@pytest.mark.parametrize("kind", ["kl", "jsd"])
+def test_bf16_autocast_error_within_twice_pytorchs_own(kind):
+    """Under bf16 autocast (the model's bf16 hidden states, an fp32 student head, a bf16
+    teacher) against the same unfused loss under autocast, both measured against fp64."""
+    exact = case(torch.float64, n=64, vocab=257)
+    want = reference(*exact, 0.5, 2.0, kind)
+    want_grads = torch.autograd.grad(want, exact[:2])
+    hidden = exact[0].detach().bfloat16().requires_grad_()
+    weight = exact[1].detach().float().requires_grad_()
+    teacher = [exact[2].bfloat16(), exact[3].bfloat16()]
+    exact_bf16 = [hidden.detach().double().requires_grad_(), exact[1]]  # (hidden as rounded)
+    want = reference(*exact_bf16, *[t.double() for t in teacher], exact[4], 0.5, 2.0, kind)
+    want_grads = torch.autograd.grad(want, exact_bf16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_distillation_loss(hidden, weight, *teacher, exact[4], alpha=0.5,
+                                        temperature=2.0, kind=kind, chunk_size=16)  # fmt: skip
+        ours_grads = torch.autograd.grad(ours, [hidden, weight])
+        theirs = reference(hidden, weight, *teacher, exact[4], 0.5, 2.0, kind)
+        theirs_grads = torch.autograd.grad(theirs, [hidden, weight])
+    assert ours.dtype == torch.float32
+    assert abs(ours.double() - want) <= 2 * abs(theirs.double() - want) + 1e-4 * abs(want)
+    for mine, pytorchs, truth in zip(ours_grads, theirs_grads, want_grads, strict=True):
+        assert mine.dtype == pytorchs.dtype
+        error = (mine.double() - truth).abs().max()
+        assert error <= 2 * (pytorchs.double() - truth).abs().max() + 1e-6
+
+
+def test_a_head_in_the_compute_dtype_is_not_copied_to_fp32():
+    """A LoRA student's frozen bf16 head (and the bf16 teacher's) stay bf16: no (V, d) fp32."""
+    n, d, vocab = 64, 64, 4099  # (a chunk's logits, 16 x V, are a quarter of V x d)
+    hidden, weight, teacher_hidden, teacher_weight, targets = case(torch.float32, n, d, d, vocab)
+    weight, teacher_weight = weight.detach().bfloat16(), teacher_weight.bfloat16()
+    hidden = hidden.detach().bfloat16().requires_grad_()
+    made = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with Watch(), torch.autocast("cpu", dtype=torch.bfloat16):
+        linear_distillation_loss(hidden, weight, teacher_hidden.bfloat16(), teacher_weight,
+                                 targets, chunk_size=16).backward()  # fmt: skip
+    assert not [t for t in made if t.numel() >= vocab * d and t.dtype == torch.float32]
+    assert hidden.grad is not None and hidden.grad.dtype == torch.bfloat16
+
+
 class LargestTensor(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -18,9 +18,16 @@ As `memfit.ops.cross_entropy` does for the cross-entropy alone, the rows are pro
 of C: each chunk's student and teacher logits (C x V fp32 each) are computed, reduced to the
 chunk's loss, and turned at once into the gradient of the student's logits, from which the
 gradients of h_s and W_s are computed and kept; backward only scales them. Memory beyond the
-inputs and the two gradients: about 3 C x V fp32 values at any time, whatever N is. The teacher
-gets no gradient. This is the plain-PyTorch path (any device); a Triton path for the per-row
-work is the next step.
+inputs and the two gradients: a few C x V fp32 values per chunk (the logits, the log-softmaxes
+and the gradient), whatever N is. The teacher gets no gradient.
+
+Numerics, as `memfit.ops.cross_entropy`'s: the products run in the compute dtype (autocast's
+when enabled, else hidden's), the logits come out of them in fp32 (where PyTorch can write them
+so; else rounded once), the per-row work is fp32, and the two gradient products take the logits'
+gradient rounded to the compute dtype, accumulating W_s's gradient in fp32. Each output weight is
+cast to the compute dtype once (no copy when it is stored so: a frozen bf16 head). The per-row
+work is plain PyTorch (a few passes over each chunk's logits); a Triton kernel for it, as the
+cross-entropy has, is the next step.
 
 Gradients with respect to the student's logits (divided by the row's count later by the
 caller, like the losses):
@@ -36,6 +43,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from memfit.ops.cross_entropy import _accumulate_matmul, _autocast_disabled, _matmul_wide
 
 IGNORE_INDEX = -100
 
@@ -73,28 +82,29 @@ class LinearDistillationFunction(torch.autograd.Function):
     def forward(
         ctx, hidden: Tensor, weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
         targets: Tensor, alpha: float, temperature: float, kind: str, chunk_size: int,
-        ignore_index: int,
+        ignore_index: int, compute_dtype: torch.dtype,
     ) -> Tensor:  # fmt: skip
-        dtype = hidden.dtype if hidden.dtype == torch.float64 else torch.float32
-        w = weight.to(dtype)  # (the student's fp32 master weight: no copy)
+        wide = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        w = weight.to(compute_dtype)  # (as autocast casts it; a head in compute_dtype: no copy)
+        tw = teacher_weight.to(compute_dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
-        loss = torch.zeros((), dtype=dtype, device=hidden.device)
+        grad_weight = torch.zeros_like(weight, dtype=wide) if ctx.needs_input_grad[1] else None
+        loss = torch.zeros((), dtype=wide, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            h = hidden[rows].to(dtype)
-            s = h @ w.T
-            with torch.no_grad():  # in the teacher's dtype: no fp32 copy of its (V, d_t) weight
-                t = (teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).to(dtype)
+            h = hidden[rows].to(compute_dtype)
+            s = _matmul_wide(h, w.T, wide)  # (C, V) logits, fp32 (fp64 for fp64 compute)
+            t = _matmul_wide(teacher_hidden[rows].to(compute_dtype), tw.T, wide)
             chunk_loss, grad_s = _chunk_loss_and_grad(
                 s, t, targets[rows], alpha, temperature, kind, ignore_index
             )
             del s, t
             loss += chunk_loss
-            if grad_hidden is not None:
+            grad_s = grad_s.to(compute_dtype)  # (the gradient products in compute_dtype, as
+            if grad_hidden is not None:  # an unfused autocast backward runs them)
                 grad_hidden[rows] = (grad_s @ w).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight.addmm_(grad_s.T, h)
+                _accumulate_matmul(grad_weight, grad_s.T, h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -106,7 +116,7 @@ class LinearDistillationFunction(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, *[None] * 9
 
 
 def linear_distillation_loss(
@@ -150,7 +160,13 @@ def linear_distillation_loss(
         raise ValueError(f"kind must be 'kl' or 'jsd', got {kind!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return LinearDistillationFunction.apply(
-        hidden, weight, teacher_hidden.detach(), teacher_weight.detach(), targets, alpha,
-        temperature, kind, chunk_size, ignore_index,
-    )  # fmt: skip
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = hidden.dtype
+    with _autocast_disabled(device_type):
+        return LinearDistillationFunction.apply(
+            hidden, weight, teacher_hidden.detach(), teacher_weight.detach(), targets, alpha,
+            temperature, kind, chunk_size, ignore_index, compute_dtype,
+        )  # fmt: skip

@@ -542,12 +542,12 @@ def _cross_entropy(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:
     return grad_hidden + grad_weight, logits + grad_buffer + weight_copy
 
 
-# memfit.ops.distill's chunk, under bf16 autocast on CUDA, in (C x V) fp32 units: the student's
-# logits s (a bf16 matmul output: 1/2), the teacher's t (cast to fp32: 1), log_softmax(s) (1),
-# the cross-entropy's gradient (1), log_softmax(t / T) (1), q and p (2), and the KL's gradient
-# T(q - p) (1) with the two temporaries of alpha * it * mask (2): 9.5 when that last line runs.
-# JSD adds log m and u (2) and peaks at 11.5; a temperature other than 1 adds log_softmax(s / T).
-DISTILL_CHUNK_UNITS = {"kl": 9.5, "jsd": 11.5}
+# memfit.ops.distill's chunk in (C x V) fp32 units: the student's logits s and the teacher's t
+# (fp32 out of their products: 2), log_softmax(s) (1), the cross-entropy's gradient (1),
+# log_softmax(t / T) (1), q and p (2), and the KL's gradient T(q - p) (1) with the two
+# temporaries of alpha * it * mask (2): 10 when that last line runs. JSD adds log m and u (2) and
+# peaks at 12; a temperature other than 1 adds log_softmax(s / T).
+DISTILL_CHUNK_UNITS = {"kl": 10.0, "jsd": 12.0}
 
 
 def _distillation_loss(model: ModelConfig, strategy: Strategy) -> tuple[int, int]:
@@ -555,9 +555,9 @@ def _distillation_loss(model: ModelConfig, strategy: Strategy) -> tuple[int, int
     for one micro-batch, as its forward allocates (plain PyTorch, chunks of DISTILL_CHUNK_ROWS):
     saved, grad_hidden (T x h, the hidden states' dtype) and, for a trainable head, its fp32
     grad_weight (V x h); while it runs, DISTILL_CHUNK_UNITS of a chunk's (C x V) fp32 logits, the
-    chunk's fp32 hidden states (C x h), the teacher's hidden states it is given (T x h_t) and the
-    head's copies: a head in the compute dtype (LoRA's frozen one) is copied to fp32 (V x h x 4)
-    for the whole loss, an fp32 one is cast by autocast (V x h x 2)."""
+    chunk's hidden states in the compute dtype (C x h), the teacher's hidden states it is given
+    (T x h_t) and the head's copy: an fp32 head is cast to the compute dtype once (V x h x 2), a
+    head stored in it (LoRA's frozen one, bf16 weights) is not copied."""
     s = _sizes(model)
     teacher = strategy.teacher
     assert teacher is not None
@@ -565,19 +565,15 @@ def _distillation_loss(model: ModelConfig, strategy: Strategy) -> tuple[int, int
     c = 4 if strategy.precision == "fp32" else 2
     rows = min(T, DISTILL_CHUNK_ROWS)
     units = DISTILL_CHUNK_UNITS[strategy.distill_kind] + (strategy.distill_temperature != 1)
-    if strategy.precision == "fp32":  # (no autocast: the student's logits are fp32 too)
-        units += 0.5
     head = s["V"] * s["h"]
     saved = c * T * s["h"] + (0 if strategy.lora_rank else 4 * head)
-    if strategy.precision == "fp32":
-        head_copies = 0
-    elif strategy.lora_rank or strategy.master_weights == "none":  # a head in bf16
-        head_copies = 4 * head
-    else:
-        head_copies = 2 * head
+    stored_in_compute_dtype = (
+        strategy.precision == "fp32" or strategy.lora_rank or strategy.master_weights == "none"
+    )
+    head_copies = 0 if stored_in_compute_dtype else 2 * head
     transient = (
         int(units * rows * s["V"] * 4)
-        + 4 * rows * s["h"]
+        + c * rows * s["h"]
         + c * T * teacher.hidden_size
         + head_copies
     )
