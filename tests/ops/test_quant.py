@@ -149,3 +149,33 @@ def test_qlora_losses_follow_lora_losses(tmp_path):
     full, quantized = losses("none"), losses("nf4")
     for a, b in zip(full, quantized, strict=True):
         assert abs(a - b) <= 0.02 * a
+
+
+def test_qlora_from_random_weights_is_the_lora_run_quantized(tmp_path):
+    """bf16: the QLoRA base, made block by block, holds the LoRA run's weights quantized; the
+    embedding, norms and head are the LoRA run's, in bf16; the adapters and the global RNG after
+    building are the same (dropout draws from it)."""
+    from memfit.nn.quant import quantize_model
+
+    def build(name, quantize):
+        flags = {
+            "data": {"seq_len": 32},
+            "train": {"steps": 1, "micro_batch": 2, "device": "cpu", "precision": "bf16"},
+            "checkpoint": {"out": str(tmp_path / name)},
+            "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "quantize": quantize},
+        }
+        torch.manual_seed(7)
+        trainer = Trainer(build_config(flags=flags))
+        return trainer, torch.rand(3)
+
+    lora, lora_next = build("lora", "none")
+    qlora, qlora_next = build("qlora", "nf4")
+    assert torch.equal(lora_next, qlora_next)
+    quantize_model(lora.model, "nf4", dtype=torch.bfloat16)
+    expected = dict(lora.model.named_parameters()) | dict(lora.model.named_buffers())
+    got = dict(qlora.model.named_parameters()) | dict(qlora.model.named_buffers())
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == expected[name].dtype, name
+        assert torch.equal(tensor, expected[name]), name
+    assert qlora.model.embed.weight.dtype == torch.bfloat16

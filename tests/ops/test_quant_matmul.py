@@ -124,6 +124,11 @@ def test_bad_inputs_say_what_is_wrong(monkeypatch):
         kernels.quant_matmul(torch.randn(2, 64, dtype=torch.bfloat16), plain, "nf4", (8, 64))
     with pytest.raises(ValueError, match="'nf4' or 'int8'"):
         kernels.quant_matmul(torch.randn(2, 64, dtype=torch.bfloat16), state, "int4", (8, 64))
+    with pytest.raises(ValueError, match=r"not that of a contiguous \(16, 64\) weight"):
+        kernels.quant_matmul(torch.randn(2, 64, dtype=torch.bfloat16), state, "nf4", (16, 64))
+    with pytest.raises(ValueError, match="bias"):
+        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        kernels.quant_matmul(x, state, "nf4", (8, 64), torch.zeros(9, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu

@@ -567,7 +567,12 @@ def _materialize(
             for index in sorted(blocks):
                 state = read(blocks[index])
                 nbytes += sum(t.numel() * t.element_size() for t in state.values())
-                model.load_state_dict(state, assign=True, strict=False)
+                unexpected = model.load_state_dict(state, assign=True, strict=False).unexpected_keys
+                if unexpected:  # (a `prepare` hook that renamed what the layout names)
+                    raise RuntimeError(
+                        f"the model has no tensors {_first(unexpected)} that the checkpoint "
+                        "layout names: did load_pretrained's prepare hook rename them?"
+                    )
                 del state
                 if index >= 0:
                     on_block(model, index)

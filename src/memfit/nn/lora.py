@@ -9,10 +9,10 @@ needs no gradient, no optimizer state and no fp32 master copy.
 memfit fuses q, k and v into one projection `qkv` and gate and up into `gate_up`. Adapters are
 per projection, as peft puts them on Hugging Face's separate q_proj, k_proj, ... layers: a fused
 layer holds one (A, B) pair for each of its parts that is targeted, keyed by the part's Hugging
-Face name, and adds each part's update to its rows of the output. The A matrices of a layer are
-applied as one matrix product (their rows stacked), the B matrices one per part. So adapters
-trained here are peft's adapters (`save_peft_adapter`), and peft's load here
-(`load_peft_adapter`).
+Face name, and adds each part's update to its rows of the output. A layer's update is two matrix
+products: its parts' A stacked, then their B as one block-diagonal matrix whose product adds the
+update to the base's output in its epilogue (`torch.addmm`). So adapters trained here are
+peft's adapters (`save_peft_adapter`), and peft's load here (`load_peft_adapter`).
 
     spec = LoRASpec(rank=16, alpha=32, targets=("q_proj", "v_proj"))
     apply_lora(model, spec)        # wraps the targeted layers, freezes everything else
@@ -167,11 +167,6 @@ class LoRALinear(Linear):
         ]
         return _like(a, x), _like(torch.block_diag(*blocks), x)
 
-    def delta(self, x: Tensor) -> Tensor:
-        """s * B A dropout(x), every part's rows (zero where a part has no adapter)."""
-        a, b = self._adapters(x)
-        return F.linear(F.linear(self.dropout(x), a), b) * self.scale
-
     def forward(self, x: Tensor, *, swiglu: bool = False, residual: Tensor | None = None) -> Tensor:
         """As `Linear.forward`: swiglu of the result for a fused gate/up projection, and the
         residual added. Two matrix products besides the base's, the update added in the second
@@ -241,19 +236,23 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> dict[str, LoRALinear]:
         raise ValueError("the model already has LoRA adapters")
     layout = get_family(model.config.family).hf_layout(model)
     wrapped = {}
-    for path, module in list(model.named_modules()):
-        if type(module) is not Linear:
-            continue
-        hf = layout.get(f"{path}.weight", [])
-        parts = [(name.rsplit(".", 2)[-2], shape[0]) for name, shape in hf]
-        if not any(part in spec.names for part, _ in parts):
-            continue
-        modules = {
-            part: name.rsplit(".", 1)[0] for (part, _), (name, _) in zip(parts, hf, strict=True)
-        }
-        layer = LoRALinear(module, parts, spec, modules)
-        replace_module(model, path, layer)
-        wrapped[path] = layer
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    # (the layers' first draws of A leave the global RNG as it was: dropout's masks later do not
+    # depend on whether the model was built on the meta device, where nothing is drawn)
+    with torch.random.fork_rng(devices=cuda):
+        for path, module in list(model.named_modules()):
+            if type(module) is not Linear:
+                continue
+            hf = layout.get(f"{path}.weight", [])
+            parts = [(name.rsplit(".", 2)[-2], shape[0]) for name, shape in hf]
+            if not any(part in spec.names for part, _ in parts):
+                continue
+            modules = {
+                part: name.rsplit(".", 1)[0] for (part, _), (name, _) in zip(parts, hf, strict=True)
+            }
+            layer = LoRALinear(module, parts, spec, modules)
+            replace_module(model, path, layer)
+            wrapped[path] = layer
     if not wrapped:
         raise ValueError(f"no linear layer of the model is one of the LoRA targets {spec.names}")
     for name, param in model.named_parameters():

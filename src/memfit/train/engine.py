@@ -360,8 +360,10 @@ class Trainer:
                 if not param.requires_grad:
                     param.data = param.data.to(DTYPES[self.precision])
         if self.config.lora.quantize != "none":
-            stored = sum(layer.quant.nbytes() for layer in layers.values())
-            logger.info("base quantized to %s block by block: the adapted layers' weights take "
+            from memfit.nn.quant import QuantizedWeight
+
+            stored = sum(m.nbytes() for m in self.model.modules() if isinstance(m, QuantizedWeight))
+            logger.info("base quantized to %s block by block: the blocks' linear weights take "
                         "%.2f GiB", self.config.lora.quantize, stored / 2**30)  # fmt: skip
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.model.parameters())
@@ -568,7 +570,7 @@ class Trainer:
         block at a time, each in the compute dtype, initialized and quantized (`_qlora_hooks`)
         before the next is made. The weights and adapters are those `build_model` and
         `_apply_lora` make (the same seeded draws in the same order): the run equals its LoRA
-        run but for the quantization."""
+        run but for the quantization (the same global RNG state after it too)."""
         model, device = self.model, self.device
         weights = torch.Generator(device=device).manual_seed(self.config.train.seed)
         on_block = self._qlora_hooks(spec)["on_block"]

@@ -174,10 +174,10 @@ def build_model(
     `dtype` (default fp32) without an fp32 copy first."""
     with torch.device("meta"):
         model = Llama(config, attention=attention)
-    if torch.device(device).type == "meta":
-        return model
     if dtype is not None:
         model.to(dtype)  # (meta tensors: free)
+    if torch.device(device).type == "meta":
+        return model
     model.to_empty(device=device)
     generator = None
     if seed is not None:

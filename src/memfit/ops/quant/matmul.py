@@ -15,11 +15,13 @@ Dequantizing a (BN, BK) tile: NF4 reads BK / 2 bytes a row, two codes a byte (th
 high nibble), looks each code up in the 16 levels, and multiplies by its block's absmax,
 itself q * scale + mean (one int8 per 64 weights, one fp32 scale per 256 blocks); int8 multiplies
 q by its row's scale. The tile is rounded to the compute dtype, so the values multiplied are
-those `dequantize_nf4` / `dequantize_int8` return, and the products and sums are fp32 as in a
-bf16 GEMM: the result equals dequantize-then-matmul up to the order of the sums.
+those `dequantize_nf4` / `dequantize_int8` return (on the GPU up to the rounding of an absmax
+whose q * scale + mean the compiler fuses into one multiply-add), and the products and sums are
+fp32 as in a bf16 GEMM: the result equals dequantize-then-matmul up to the order of the sums.
 
 NF4 tiles whose columns are whole blocks of 64 (K a multiple of 64, every Llama layer) are read
-as bytes and unpacked in two halves joined along the columns; any other K (blocks straddle rows)
+as bytes, each byte's two codes interleaved back into the columns (high nibble first); any other
+K (blocks straddle rows)
 takes the general path, which addresses each element's byte and block by its flat index.
 
 Forward: a program owns a (BM rows of x) x (BN features) tile of y and walks K; the dequantized
@@ -213,7 +215,6 @@ def _dequantize_kernel(
 # (BM, BN, BK, warps, stages), BK a multiple of 64 (whole NF4 blocks): the tiles the autotuner
 # chose at llama-3-8b's shapes from a wider sweep on an H200 (results/quant_matmul.json)
 _CONFIGS = [(256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
-_CONFIGS_INT8 = _CONFIGS
 _INTERPRET = dict(BM=16, BN=16, BK=64, GROUP=2)
 
 
@@ -229,21 +230,41 @@ def _tuned(kernel, configs):
 
 _TUNED = {
     (_forward_kernel, _NF4): _tuned(_forward_kernel, _CONFIGS),
-    (_forward_kernel, _INT8): _tuned(_forward_kernel, _CONFIGS_INT8),
+    (_forward_kernel, _INT8): _tuned(_forward_kernel, _CONFIGS),
     (_dx_kernel, _NF4): _tuned(_dx_kernel, _CONFIGS),
-    (_dx_kernel, _INT8): _tuned(_dx_kernel, _CONFIGS_INT8),
+    (_dx_kernel, _INT8): _tuned(_dx_kernel, _CONFIGS),
 }
 
 
-def _weight_args(state: dict[str, Tensor], kind: str, k: int, device: torch.device) -> tuple:
-    """The kernels' weight pointers (w, s, a, code, mean) and their KIND, ALIGNED."""
+def _weight_args(
+    state: dict[str, Tensor], kind: str, shape: tuple[int, int], device: torch.device
+) -> tuple:
+    """The kernels' weight pointers (w, s, a, code, mean) and their KIND, ALIGNED, after checking
+    that `state` holds a weight of `shape` on `device`."""
+    n, k = shape
+    if kind not in ("nf4", "int8"):
+        raise ValueError(f"quantized kind must be 'nf4' or 'int8', got {kind!r}")
+    if kind == "nf4" and "absmax_q" not in state:
+        raise ValueError("the NF4 kernels read double-quantized scales (quantize_nf4's default)")
+    blocks = -(-n * k // NF4_BLOCK)
+    expected = (
+        {"packed": blocks * NF4_BLOCK // 2, "absmax_q": blocks}
+        if kind == "nf4"
+        else {"q": n * k, "scale": n}
+    )
+    for name, numel in expected.items():
+        tensor = state.get(name)
+        if tensor is None or tensor.numel() != numel or not tensor.is_contiguous():
+            got = "absent" if tensor is None else f"{tensor.numel()} values"
+            raise ValueError(
+                f"the {kind} state's {name!r} ({got}) is not that of a contiguous ({n}, {k}) "
+                f"weight ({numel} values)"
+            )
+        if tensor.device != device:
+            raise ValueError(f"the {kind} state is on {tensor.device}, the operand on {device}")
     if kind == "int8":
         scale = state["scale"]
         return (state["q"], scale, scale, scale, scale), dict(KIND=_INT8, ALIGNED=False)
-    if kind != "nf4":
-        raise ValueError(f"quantized kind must be 'nf4' or 'int8', got {kind!r}")
-    if "absmax_q" not in state:
-        raise ValueError("the NF4 kernels read double-quantized scales (quantize_nf4's default)")
     pointers = (
         state["packed"], state["absmax_scale"], state["absmax_q"], _code(device),
         state["absmax_mean"],
@@ -284,7 +305,11 @@ def quant_matmul(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    pointers, meta = _weight_args(state, kind, k, x.device)
+    pointers, meta = _weight_args(state, kind, shape, x.device)
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device or bias.stride(0) != 1):
+        raise ValueError(
+            f"the bias must be ({n},) contiguous on {x.device}, got {tuple(bias.shape)}"
+        )
     _launch(
         _forward_kernel,
         lambda c: (triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),), x.device,
@@ -306,7 +331,7 @@ def quant_matmul_dx(
     dx = torch.empty((m, k), dtype=g.dtype, device=g.device)
     if m == 0:
         return dx
-    pointers, meta = _weight_args(state, kind, k, g.device)
+    pointers, meta = _weight_args(state, kind, shape, g.device)
     _launch(
         _dx_kernel,
         lambda c: (triton.cdiv(m, c["BM"]) * triton.cdiv(k, c["BK"]),), g.device,
@@ -323,7 +348,7 @@ def dequantize(
     n, k = shape
     device = next(iter(state.values())).device
     out = torch.empty((n, k), dtype=dtype, device=device)
-    pointers, meta = _weight_args(state, kind, k, device)
+    pointers, meta = _weight_args(state, kind, shape, device)
     bn, bk = (16, 64) if device.type == "cpu" else (32, 256)
     launch(
         _dequantize_kernel, (triton.cdiv(n, bn), triton.cdiv(k, bk)), device, out, *pointers, n, k,

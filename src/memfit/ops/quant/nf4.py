@@ -48,7 +48,8 @@ def _check(weight: Tensor) -> None:
         raise ValueError(f"quantize a 2-D weight (out, in), got shape {tuple(weight.shape)}")
 
 
-# quantize this many blocks at a time: the fp32 and index transients of a layer stay ~100 MiB
+# quantize this many blocks at a time (16M weights): the chunk's fp32 copies and indices, about
+# 200 MiB, are the transient memory, whatever the layer's size
 _CHUNK_BLOCKS = 1 << 18
 
 
