@@ -350,7 +350,8 @@ class Trainer:
         layers = lora_layers(self.model)  # (QLoRA from a checkpoint: applied while reading it)
         if not layers:
             layers = apply_lora(self.model, spec)
-        if next(next(iter(layers.values())).lora_A.parameters()).is_meta:
+        first = next(iter(layers.values()))
+        if next(first.lora_A.parameters()).is_meta:
             self._make_quantized_blocks(spec)  # QLoRA from random weights
         elif self.config.lora.quantize == "none":
             generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
