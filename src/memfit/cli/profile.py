@@ -119,6 +119,7 @@ def run_profile(
     if trainer.world.distributed:  # every rank measured its own; rank 0 reports them all
         per_rank = [None] * trainer.world.world_size
         torch.distributed.all_gather_object(per_rank, measurement.to_json())
+    trainer.close()
     if not main:
         return 0
     plan = plan_fn(trainer) if plan_fn is not None else None

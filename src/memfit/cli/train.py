@@ -120,6 +120,7 @@ def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
 
     with progress:
         history = trainer.fit(on_step)
+    trainer.close()
 
     table = Table(title="memfit train: summary", show_header=False)
     if history:

@@ -28,7 +28,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Heartbeat", "World", "agree", "check_same", "init_world", "launched_by_torchrun"]
+__all__ = [
+    "Heartbeat",
+    "World",
+    "agree",
+    "check_same",
+    "close_world",
+    "init_world",
+    "launched_by_torchrun",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +83,14 @@ def init_world(device: torch.device, *, timeout_s: float) -> tuple[World, torch.
         options = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **options)
     return world, device
+
+
+def close_world() -> None:
+    """Leave the process group joined by `init_world`, if any. A rank that exits with its group
+    still alive leaves the C++ side of gloo/NCCL (and the store client) to the interpreter's
+    shutdown, which can end the process with std::terminate while a peer is still finishing."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def host_threads_per_rank() -> int:
@@ -136,11 +152,20 @@ class Heartbeat:
         self._seen = [-1] * world.world_size
         self._moved = [now] * world.world_size
         self._stopped = threading.Event()
-        threading.Thread(target=self._beat, name="memfit-heartbeat", daemon=True).start()
-        threading.Thread(target=self._watch, name="memfit-heartbeat-watch", daemon=True).start()
+        self._threads = [
+            threading.Thread(target=self._beat, name="memfit-heartbeat", daemon=True),
+            threading.Thread(target=self._watch, name="memfit-heartbeat-watch", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
+        """Stop beating and wait (briefly) for both threads to end, so that none is inside a
+        store call when the process group goes away."""
         self._stopped.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=self.interval_s + 5.0)
 
     def _beat(self) -> None:
         while not self._stopped.is_set():

@@ -869,6 +869,14 @@ class Trainer:
             self.heartbeat.stop()
         return history
 
+    def close(self) -> None:
+        """End this rank's part in a torchrun launch: stop the heartbeat and leave the process
+        group. Called by the CLI once its work is done; a single-process run has nothing to end."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.world.distributed:
+            launch.close_world()
+
     stopped_by: str | None = None
     """The signal that ended the last `fit` early (e.g. "SIGTERM"), None if it ran to the end."""
     stop_agreed = False
