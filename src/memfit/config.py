@@ -153,6 +153,9 @@ class TrainSection(_Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 on a GPU that has it, else fp32."""
     checkpointing: Literal["none", "full", "selective"] = "none"
+    checkpoint_blocks: int | None = None
+    """With checkpointing full or selective: how many blocks, the first ones, are checkpointed;
+    the others keep their activations (less recompute, more memory). None: every block."""
     offload_activations: bool = False
     """Each block's input (with checkpointing full or selective), or else each tensor of at least
     1 MiB that a block saves, goes to pinned CPU memory during the forward and comes back one
@@ -177,6 +180,12 @@ class TrainSection(_Section):
     device: str = "auto"
     """auto: cuda if present, else cpu."""
 
+    def checkpointing_label(self) -> str:
+        """'full', or 'full (first 24 blocks)' with checkpoint_blocks."""
+        if self.checkpoint_blocks is None:
+            return self.checkpointing
+        return f"{self.checkpointing} (first {self.checkpoint_blocks} blocks)"
+
     def validate(self) -> None:
         _positive(
             "train",
@@ -186,6 +195,18 @@ class TrainSection(_Section):
             lr=self.lr,
         )
         check_between("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        if self.checkpoint_blocks is not None:
+            check_at_least("train.checkpoint_blocks", self.checkpoint_blocks, 0)
+            if self.checkpointing == "none":
+                raise ValueError(
+                    f"train.checkpoint_blocks = {self.checkpoint_blocks} says how many blocks "
+                    "are checkpointed: set checkpointing full or selective too"
+                )
+            if self.offload_activations:
+                raise ValueError(
+                    "train.checkpoint_blocks with offload_activations is not supported yet: "
+                    "offload checkpoints every block (drop checkpoint_blocks) or none"
+                )
         for name in ("beta1", "beta2", "momentum"):
             value = getattr(self, name)
             if not 0 <= value < 1:

@@ -40,21 +40,68 @@ def test_model_state_bytes_are_exact(tmp_path, optimizer):
     assert step == expected_step
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
-def test_activation_prediction_matches_what_the_forward_keeps(tmp_path, checkpointing):
-    trainer = cpu_trainer(tmp_path, checkpointing=checkpointing)
+@pytest.mark.parametrize(
+    "checkpointing, blocks",
+    [("none", None), ("selective", None), ("full", None), ("full", 1), ("selective", 3)],
+)
+def test_activation_prediction_matches_what_the_forward_keeps(tmp_path, checkpointing, blocks):
+    trainer = cpu_trainer(tmp_path, checkpointing=checkpointing, checkpoint_blocks=blocks)
     inputs, targets = next(trainer.batches)
     live, _ = live_forward_bytes(trainer.model, inputs, targets)
     config = trainer.model_config
-    strategy = Strategy(precision="fp32", micro_batch=4, seq_len=128, checkpointing=checkpointing)
+    strategy = Strategy(
+        precision="fp32",
+        micro_batch=4,
+        seq_len=128,
+        checkpointing=checkpointing,
+        checkpoint_blocks=blocks,
+    )
     result = plan(config, strategy)
     predicted = result.forward_kept_bytes
-    if checkpointing == "none":
-        # the plan is for CUDA, where fp32 grouped-query attention repeats k and v for the fused
-        # kernel; CPU attention takes the groups as they are
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        predicted -= config.num_layers * 2 * 4 * 4 * 128 * (q - kv)
+    unchecked = config.num_layers if checkpointing == "none" else config.num_layers - (blocks or 4)
+    # the plan is for CUDA, where fp32 grouped-query attention repeats k and v for the fused
+    # kernel (of each block that keeps its activations); CPU attention takes the groups as they are
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    predicted -= unchecked * 2 * 4 * 4 * 128 * (q - kv)
     assert predicted == pytest.approx(live, rel=0.05)
+
+
+def test_checkpointing_some_blocks_plans_between_none_and_full():
+    """checkpoint_blocks: 0 plans as none, every block as full; in between the peak falls and the
+    step time grows with each block checkpointed (its recompute), and the search finds the
+    fewest blocks that fit a budget between none and full."""
+    from memfit.planner import step_time
+    from memfit.planner.search import fewest_checkpointed_blocks
+
+    model, gpu = PRESETS["llama-3-8b"], get_gpu("h200")
+
+    def strategy(mode="full", blocks=None):
+        return Strategy(micro_batch=4, lora_rank=16, checkpointing=mode, checkpoint_blocks=blocks)
+
+    layers = model.num_layers
+    none, full = plan(model, strategy("none")), plan(model, strategy())
+    assert plan(model, strategy(blocks=0)).peak_bytes == none.peak_bytes
+    assert plan(model, strategy(blocks=layers)).peak_bytes == full.peak_bytes
+    peaks = [plan(model, strategy(blocks=k)).peak_bytes for k in range(layers + 1)]
+    times = [step_time(model, strategy(blocks=k), gpu).total_s for k in range(layers + 1)]
+    assert all(a > b for a, b in zip(peaks, peaks[1:], strict=False))
+    assert all(a < b for a, b in zip(times, times[1:], strict=False))
+    assert times[0] == pytest.approx(step_time(model, strategy("none"), gpu).total_s)
+    assert times[-1] == pytest.approx(step_time(model, strategy(), gpu).total_s)
+    budget = (none.required_bytes + full.required_bytes) / 2
+    chosen = fewest_checkpointed_blocks(model, strategy(), gpu, budget=budget)
+    k = chosen.checkpoint_blocks
+    assert 0 < k < layers
+    assert (
+        plan(model, chosen).required_bytes
+        <= budget
+        < plan(model, strategy(blocks=k - 1)).required_bytes
+    )
+    assert f"ckpt full ({k} blocks)" in chosen.describe()
+    with pytest.raises(ValueError, match="checkpoint_blocks = 33, but llama-3-8b has 32 blocks"):
+        plan(model, strategy(blocks=33))
+    with pytest.raises(ValueError, match="with checkpointing full or selective"):
+        strategy("none", 4)
 
 
 def test_llama_1b_bf16_plan_matches_the_measured_h100_figure():

@@ -55,6 +55,32 @@ def test_recommend_ranks_fitting_strategies_fastest_first():
     assert all(r.plan.required_bytes <= GPUS["rtx4090"].memory_bytes for r in small)
 
 
+def test_recommend_checkpoints_only_the_blocks_a_micro_batch_needs():
+    """llama-3-8b LoRA on a 24 GB card: micro-batch 1 fits with checkpointing but not without;
+    the search also offers checkpointing the fewest blocks that fit, which recomputes less
+    than every block, and its command line says how many."""
+    from dataclasses import replace
+
+    from memfit.cli.plan import train_command
+    from memfit.planner import plan
+    from memfit.planner.search import SAFETY_MARGIN
+
+    gpu = GPUS["rtx4090"]
+    found = rank_strategies(PRESETS["llama-3-8b"], gpu, lora_rank=16, limit=20)
+    partial = [r for r in found if r.strategy.checkpoint_blocks is not None]
+    assert partial
+    budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
+    for r in partial:
+        k = r.strategy.checkpoint_blocks
+        assert 0 < k < PRESETS["llama-3-8b"].num_layers
+        assert r.plan.required_bytes <= budget
+        fewer = replace(r.strategy, checkpoint_blocks=k - 1)
+        assert plan(PRESETS["llama-3-8b"], fewer, gpu).required_bytes > budget
+        every = replace(r.strategy, checkpoint_blocks=None)
+        assert r.time.tokens_per_s > step_time(PRESETS["llama-3-8b"], every, gpu).tokens_per_s
+        assert f"--checkpoint-blocks {k}" in train_command("llama-3-8b", r.strategy)
+
+
 def test_recommend_refuses_what_the_engine_cannot_run():
     assert rank_strategies(PRESETS["llama-3-70b"], GPUS["h100-sxm"]) == []
     # llama-2-7b: nothing with fp32 AdamW on one GPU; only 8-bit AdamW with bf16 weights fits

@@ -54,10 +54,11 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (2, 49), generator=torch.Generator().manual_seed(0))
 
 
-def count(mode: str, *, backward: bool = True) -> FlopCounterMode:
-    """FLOPs of one forward (and backward) of the model checkpointed in `mode`."""
+def count(mode: str, *, backward: bool = True, blocks: int | None = None) -> FlopCounterMode:
+    """FLOPs of one forward (and backward) of the model checkpointed in `mode` (the first
+    `blocks` blocks)."""
     model = build_model(CONFIG, attention="sdpa", seed=0)
-    apply_activation_checkpointing(model, mode)
+    apply_activation_checkpointing(model, mode, blocks=blocks)
     batch = tokens()
     with FlopCounterMode(display=False, custom_mapping=COUNT_CPU_ATTENTION) as counter:
         loss = model(batch[:, :-1], batch[:, 1:])
@@ -121,3 +122,25 @@ def test_selective_checkpointing_does_not_recompute_attention(forward_only):
     assert per_block(selective, op=CPU_ATTENTION) == attention
     assert per_block(full, op=CPU_ATTENTION) == 2 * attention
     assert per_block(selective, op=aten.mm) == per_block(full, op=aten.mm)
+
+
+def test_checkpointing_some_blocks_reruns_only_those(forward_only):
+    """blocks=N: the first N blocks rerun as in full, the others as without checkpointing; 0 is
+    none and every block is full."""
+    none = count("none")
+    with set_checkpoint_early_stop(False):
+        full = count("full")
+        for blocks in range(CONFIG.num_layers + 1):
+            partial = count("full", blocks=blocks)
+            for index in range(CONFIG.num_layers):
+                like = full if index < blocks else none
+                suffix = f"Llama.layers.{index}"
+                assert partial.get_flop_counts()[suffix] == like.get_flop_counts()[suffix]
+            extra = blocks * per_block(forward_only) // CONFIG.num_layers
+            assert partial.get_total_flops() == none.get_total_flops() + extra
+
+
+def test_checkpointing_blocks_beyond_the_model_are_refused():
+    model = build_model(CONFIG, attention="sdpa", seed=0)
+    with pytest.raises(ValueError, match=r"checkpoint blocks = 4: the model has 3 blocks"):
+        apply_activation_checkpointing(model, "full", blocks=4)

@@ -118,6 +118,30 @@ def test_activation_checkpointing_same_gradients_fewer_saved_bytes(tmp_path):
     assert results["full"][0] <= results["selective"][0] < saved_none / 4
 
 
+def test_checkpointing_some_blocks_keeps_the_rest_activations(tmp_path):
+    """--checkpoint-blocks N: the same gradients; the forward keeps the N checkpointed blocks'
+    inputs and the other blocks' activations, in between full and none block by block."""
+    results = {}
+    for name, mode, blocks in [("none", "none", None), ("full", "full", None), ("2", "full", 2)]:
+        trainer = make_trainer(tmp_path, name, checkpointing=mode, checkpoint_blocks=blocks)
+        results[name] = activation_bytes_and_grads(trainer)
+    layers = trainer.model_config.num_layers
+    assert layers == 4 and trainer.config.train.checkpoint_blocks == 2
+    for name, grad in results["2"][2].items():
+        torch.testing.assert_close(grad, results["none"][2][name], rtol=1e-6, atol=1e-7, msg=name)
+    live_none, live_full, live_half = (results[k][1] for k in ("none", "full", "2"))
+    assert live_half == pytest.approx((live_none + live_full) / 2, rel=0.02)
+
+
+def test_checkpoint_blocks_is_checked_against_the_model_and_the_mode(tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint_blocks = 5, but tiny has 4 blocks"):
+        make_trainer(tmp_path, checkpointing="full", checkpoint_blocks=5)
+    with pytest.raises(ValueError, match=r"set checkpointing full or selective too"):
+        make_trainer(tmp_path, checkpoint_blocks=1)
+    with pytest.raises(ValueError, match=r"train.checkpoint_blocks must be >= 0"):
+        make_trainer(tmp_path, checkpointing="full", checkpoint_blocks=-1)
+
+
 def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path):
     straight = make_trainer(tmp_path, "straight", steps=8)
     expected = [straight.train_step().loss for _ in range(8)]

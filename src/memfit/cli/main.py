@@ -81,6 +81,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--checkpointing", choices=["none", "full", "selective"], help="activation checkpointing"
     )
     p.add_argument(
+        "--checkpoint-blocks",
+        type=int,
+        metavar="N",
+        help="with --checkpointing full or selective: checkpoint only the first N blocks; the "
+        "others keep their activations (faster, more memory; default all)",
+    )
+    p.add_argument(
         "--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain data parallel)"
     )
     p.add_argument("--offload", choices=["none", "optimizer", "params"])
@@ -309,6 +316,7 @@ _TRAIN_FLAGS = {
     "grad_accum": ("train", "grad_accum"),
     "precision": ("train", "precision"),
     "checkpointing": ("train", "checkpointing"),
+    "checkpoint_blocks": ("train", "checkpoint_blocks"),
     "offload_activations": ("train", "offload_activations"),
     "optimizer": ("train", "optimizer"),
     "master_weights": ("train", "master_weights"),

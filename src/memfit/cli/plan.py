@@ -43,7 +43,7 @@ TRAIN_SEQ_LEN = 2048
 # the strategy flags' values when neither they nor a --config give one
 PLAN_DEFAULTS = {
     "model": "llama-1b", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
-    "checkpointing": "none", "optimizer": "adamw", "master_weights": "fp32", "zero": 0,
+    "checkpointing": "none", "checkpoint_blocks": None, "optimizer": "adamw", "master_weights": "fp32", "zero": 0,
     "offload": "none", "offload_activations": False, "lora_rank": 0,
     "lora_targets": "all-linear", "lora_dropout": 0.0, "quantize_base": "none", "teacher": None,
     "teacher_quantize": "none", "distill_kind": "kl", "distill_temperature": 1.0,
@@ -53,6 +53,7 @@ CONFIG_KEYS = {
     "model": ("model", "name"), "seq_len": ("data", "seq_len"),
     "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
     "precision": ("train", "precision"), "checkpointing": ("train", "checkpointing"),
+    "checkpoint_blocks": ("train", "checkpoint_blocks"),
     "optimizer": ("train", "optimizer"), "master_weights": ("train", "master_weights"),
     "offload_activations": ("train", "offload_activations"),
     "zero": ("distributed", "zero"), "offload": ("distributed", "offload"),
@@ -234,6 +235,8 @@ def train_command(model: str, strategy: Strategy) -> str:
         f"--seq-len {strategy.seq_len} --micro-batch {strategy.micro_batch}",
         f"--grad-accum {strategy.grad_accum} --checkpointing {strategy.checkpointing}",
     ]
+    if strategy.checkpoint_blocks is not None:
+        parts.append(f"--checkpoint-blocks {strategy.checkpoint_blocks}")
     if strategy.optimizer != "adamw":
         parts.append(f"--optimizer {strategy.optimizer}")
     if strategy.master_weights != "fp32":
@@ -288,6 +291,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         seq_len=args.seq_len,
         grad_accum=args.grad_accum,
         checkpointing=args.checkpointing,
+        checkpoint_blocks=args.checkpoint_blocks,
         optimizer=args.optimizer,
         master_weights=args.master_weights,
         attention=getattr(args, "attention", "auto"),
@@ -525,6 +529,12 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     )
     p.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1)")
     p.add_argument("--checkpointing", choices=["none", "full", "selective"], help="default none")
+    p.add_argument(
+        "--checkpoint-blocks",
+        type=int,
+        metavar="N",
+        help="with --checkpointing full or selective: only the first N blocks (default all)",
+    )
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="default adamw")
     p.add_argument(
         "--master-weights",

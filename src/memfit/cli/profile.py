@@ -110,7 +110,7 @@ def run_profile(
             f"[bold]memfit profile[/] model [cyan]{escape(mc.name)}[/] ({format_params(mc.num_params)} params) "
             f"on [cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x "
             f"micro-batch {config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing "
-            f"{config.train.checkpointing}, {'compiled' if trainer.compiled else 'eager'}"
+            f"{config.train.checkpointing_label()}, {'compiled' if trainer.compiled else 'eager'}"
             f"{parallel}: 1 warm-up + {steps} measured steps",
             highlight=False,
         )
@@ -154,7 +154,7 @@ def run_profile(
             timeline.phases,
             path,
             f"{mc.name}, {trainer.precision}, micro-batch {config.train.micro_batch} x seq "
-            f"{config.data.seq_len}, checkpointing {config.train.checkpointing}: one step",
+            f"{config.data.seq_len}, checkpointing {config.train.checkpointing_label()}: one step",
             reserved=timeline.reserved,
         )
     except MatplotlibMissing:

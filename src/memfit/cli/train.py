@@ -58,6 +58,7 @@ def choose_strategy(config: Config, console: Console) -> Config:
         micro_batch=best.strategy.micro_batch,
         grad_accum=best.strategy.grad_accum,
         checkpointing=best.strategy.checkpointing,
+        checkpoint_blocks=best.strategy.checkpoint_blocks,
         offload_activations=best.strategy.offload_activations,
         precision=best.strategy.precision,
         optimizer=best.strategy.optimizer,
@@ -76,7 +77,7 @@ def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
     console.print(
         f"[bold]memfit train[/] model [cyan]{escape(mc.name)}[/] ({format_params(mc.num_params)} params) on "
         f"[cyan]{trainer.device}[/], {trainer.precision}, seq {config.data.seq_len} x micro-batch "
-        f"{config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing {config.train.checkpointing}, "
+        f"{config.train.micro_batch} x accum {config.train.grad_accum}, checkpointing {config.train.checkpointing_label()}, "
         f"{'compiled' if trainer.compiled else 'eager'}, "
         f"run dir [cyan]{escape(str(trainer.run_dir))}[/]",
         highlight=False,

@@ -54,6 +54,7 @@ def parallelize(
     model: nn.Module,
     *,
     checkpointing: CheckpointingMode,
+    checkpoint_blocks: int | None = None,
     compile: bool,
     zero: int,
     param_groups: list[dict],
@@ -66,7 +67,10 @@ def parallelize(
     the ZeRO-3 sharding (for the optimizer side), or None below stage 3."""
     offload_saved = offload_activations if checkpointing == "none" else None
     apply_activation_checkpointing(
-        model, checkpointing, offload=None if offload_saved else offload_activations
+        model,
+        checkpointing,
+        offload=None if offload_saved else offload_activations,
+        blocks=checkpoint_blocks,
     )
     if compile:
         apply_compile(model)

@@ -123,6 +123,8 @@ class Strategy:
     seq_len: int = 2048
     grad_accum: int = 1
     checkpointing: Literal["none", "full", "selective"] = "none"
+    # how many blocks, the first ones, `checkpointing` applies to (None: all of them)
+    checkpoint_blocks: int | None = None
     optimizer: str = "adamw"  # a registered optimizer (memfit.optim.OPTIMIZERS)
     # fp32 master weights, or none: bf16 parameters and gradients (`--master-weights none`)
     master_weights: Literal["fp32", "none"] = "fp32"
@@ -159,6 +161,13 @@ class Strategy:
             )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.checkpoint_blocks is not None and (
+            self.checkpoint_blocks < 0 or self.checkpointing == "none" or self.offload_activations
+        ):
+            raise ValueError(
+                f"checkpoint_blocks = {self.checkpoint_blocks}: a count >= 0 of blocks to "
+                "checkpoint, with checkpointing full or selective and without activation offload"
+            )
         check_parallelism(
             zero=self.zero,
             offload=self.offload,
@@ -239,6 +248,8 @@ class Strategy:
         if self.grad_accum > 1:
             parts.append(f"accum {self.grad_accum}")
         parts.append(f"ckpt {self.checkpointing}")
+        if self.checkpoint_blocks is not None:
+            parts[-1] += f" ({self.checkpoint_blocks} blocks)"
         if self.offload_activations:
             parts.append("offload activations")
         if self.zero or self.world_size > 1:
@@ -467,6 +478,21 @@ def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | N
     return kept
 
 
+def checkpointed_blocks(model: ModelConfig, strategy: Strategy) -> int:
+    """How many blocks `strategy` checkpoints: all with checkpointing full or selective, or
+    the first `checkpoint_blocks` of them; none without checkpointing."""
+    if strategy.checkpointing == "none":
+        return 0
+    blocks = strategy.checkpoint_blocks
+    if blocks is None:
+        return model.num_layers
+    if blocks > model.num_layers:
+        raise ValueError(
+            f"checkpoint_blocks = {blocks}, but {model.name} has {model.num_layers} blocks"
+        )
+    return blocks
+
+
 def _lora_saved_bytes(model: ModelConfig, strategy: Strategy) -> int:
     """What adapters change of a block's saved tensors (LoRALinear.forward). A frozen product
     saves nothing of its input (its weight needs no gradient) and adapter A saves it instead, so a
@@ -610,6 +636,15 @@ def _teacher_forward_bytes(strategy: Strategy) -> int:
 
 def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> MemoryPlan:
     """Predict the per-GPU memory of a training step of `model` under `strategy` on `gpu`."""
+    checked = checkpointed_blocks(model, strategy)
+    if strategy.checkpoint_blocks is not None and checked in (0, model.num_layers):
+        # every block or none: the plain modes
+        mode = strategy.checkpointing if checked else "none"
+        whole = replace(strategy, checkpointing=mode, checkpoint_blocks=None)
+        return replace(plan(model, whole, gpu), strategy=strategy)
+    # the blocks that keep their activations (the last ones), planned as without checkpointing
+    unchecked = model.num_layers - checked
+    plain = replace(strategy, checkpointing="none", checkpoint_blocks=None)
     s = _sizes(model)
     N = strategy.world_size
     P, L = s["P"], s["L"]
@@ -651,7 +686,8 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     per_layer = layer_activation_bytes(model, strategy)
     c = 4 if strategy.precision == "fp32" else 2
     outside = c * T * s["h"] + 4 * T + 8 * T  # final norm input, its 1/rms, token ids
-    activations = L * per_layer + outside
+    checked_activations = checked * per_layer + outside
+    activations = checked_activations + unchecked * layer_activation_bytes(model, plain)
     offloaded = offloaded_bytes_per_layer(model, strategy)
     if offloaded:
         # in pinned CPU memory; on the GPU two layers' at most: one being copied out (or, in
@@ -667,7 +703,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         # a base in the compute dtype is not cast; the fp32 adapters are (kept for backward
         # without checkpointing)
         weight_copies = _adapter_copy_bytes(model, strategy)
-        if strategy.checkpointing == "none":
+        if not checked:
             # the first block's input is the frozen embedding's output, which needs no gradient:
             # its attention norm saves nothing (checkpointing keeps the block input anyway)
             activations -= c * T * s["h"] + 4 * T
@@ -708,7 +744,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     before_loss = 0
     if teacher is not None:
         before_loss = c * T * s["h"] + _teacher_forward_bytes(strategy)
-    if lora and strategy.checkpointing == "none":
+    if lora and unchecked:  # (the last block keeps its activations)
         # (a quantized gate_up's product: its weight dequantized, its output being written, the
         # block's gate_up and SwiGLU outputs not yet)
         gate_up = next(linear for linear in block_linears(model) if linear.name == "gate_up")
@@ -730,13 +766,14 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     grad_hidden = ce_saved
     if strategy.fused_cross_entropy and not lora:
         grad_hidden = ce_saved - 4 * s["V"] * s["h"]
-    kept_copies = weight_copies if strategy.checkpointing == "none" or strategy.zero == 3 else 0
+    kept_copies = weight_copies if strategy.zero == 3 else weight_copies * unchecked // L
     transient = _layer_backward_transient(model, strategy)
     backward_first = phase(
         grads=grads_alive_in_forward or output_grad,
         activations=activations,
         logits_loss=grad_hidden,
-        temporaries=kept_copies + transient,
+        temporaries=kept_copies
+        + (_layer_backward_transient(model, plain) if unchecked else transient),
     )
     # ... and ends with every layer's activations and copies freed and its fp32 gradients made
     layer_grad = g * s["P_layer"] // (N if strategy.zero >= 2 else 1)
@@ -754,6 +791,13 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
         activations=outside + in_use,
         temporaries=transient + zero3_last,
     )
+    # some blocks checkpointed: the last of them reruns once the unchecked ones' backward has
+    # freed their activations and copies
+    backward_rerun = phase(
+        grads=grads_alive_in_forward or min(grads, unchecked * layer_grad + output_grad),
+        activations=checked_activations,
+        temporaries=transient if checked and unchecked else 0,
+    )
     # what the optimizer allocates while it steps (torch's foreach SGD adds weight decay out of
     # place: one gradient-sized temporary)
     step_temporary = 0
@@ -763,11 +807,16 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     optimizer_step = phase(grads=grads, temporaries=step_temporary)
     candidates = {
         "forward": forward,
-        "backward": max(backward_first, backward_last, key=lambda b: sum(b.values())),
+        "backward": max(
+            backward_first, backward_rerun, backward_last, key=lambda b: sum(b.values())
+        ),
         "optimizer": optimizer_step,
     }
     category_peaks = {
-        key: max(parts[key] for parts in (forward, backward_first, backward_last, optimizer_step))
+        key: max(
+            parts[key]
+            for parts in (forward, backward_first, backward_rerun, backward_last, optimizer_step)
+        )
         for key in CATEGORIES
     }
     phases = {name: sum(parts.values()) for name, parts in candidates.items()}
@@ -992,10 +1041,11 @@ def what_would_fit(
     """Single changes to `strategy` that make it fit `gpu`, cheapest first (in expected speed).
     A change that the strategy cannot take (offload or ZeRO with bf16 weights, say) is left out."""
     candidates: list[tuple[str, dict]] = []
-    if strategy.checkpointing != "selective":
-        candidates.append(("--checkpointing selective", {"checkpointing": "selective"}))
-    if strategy.checkpointing != "full":
-        candidates.append(("--checkpointing full", {"checkpointing": "full"}))
+    every = {"checkpoint_blocks": None}  # (every block)
+    if strategy.checkpointing != "selective" or strategy.checkpoint_blocks is not None:
+        candidates.append(("--checkpointing selective", {"checkpointing": "selective", **every}))
+    if strategy.checkpointing != "full" or strategy.checkpoint_blocks is not None:
+        candidates.append(("--checkpointing full", {"checkpointing": "full", **every}))
     mb = strategy.micro_batch
     while mb > 1:
         mb //= 2
@@ -1008,7 +1058,7 @@ def what_would_fit(
         candidates.append(
             (
                 "--checkpointing full --micro-batch 1",
-                {"checkpointing": "full", "micro_batch": 1, "grad_accum": accum},
+                {"checkpointing": "full", "micro_batch": 1, "grad_accum": accum, **every},
             )
         )
     if strategy.offload == "none":

@@ -2,7 +2,9 @@
 a safety margin, rank them by predicted tokens/s.
 
 Enumerated: precision (bf16; fp16 where the GPU lacks bf16 is not in the catalog), activation
-checkpointing none / selective / full, micro-batch 1, 2, 4, ... 64, with gradient accumulation
+checkpointing none / selective / full, and where a micro-batch fits with checkpointing but not
+without, checkpointing of only as many blocks as it needs to fit (the fewest: the least
+recompute), micro-batch 1, 2, 4, ... 64, with gradient accumulation
 so that a step holds about `tokens_per_step` tokens. Single-GPU strategies only: the engine runs
 ZeRO stages 0-3 and offload on several GPUs (torchrun), but the search does not enumerate them
 yet, so `gpus > 1` is refused rather than answered with single-GPU strategies; `memfit plan
@@ -18,7 +20,7 @@ things and are not to be compared by speed alone.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.models.config import ModelConfig, check_seq_len
@@ -172,7 +174,34 @@ def _search(
                 break  # larger micro-batches need more still
             found.append(Recommendation(strategy, memory, step_time(model, strategy, gpu)))
             micro_batch *= 2
+    # where a micro-batch fits with a checkpointing mode but not without: that mode on only as
+    # many blocks as it needs
+    for r in list(found):
+        partial = fewest_checkpointed_blocks(model, r.strategy, gpu, budget=budget)
+        if partial is not None:
+            memory = plan(model, partial, gpu)
+            found.append(Recommendation(partial, memory, step_time(model, partial, gpu)))
     return found
+
+
+def fewest_checkpointed_blocks(
+    model: ModelConfig, strategy: Strategy, gpu: GPU | None = None, *, budget: float
+) -> Strategy | None:
+    """`strategy` (checkpointing full or selective) with the fewest blocks checkpointed whose
+    MemoryPlan.required_bytes stays within `budget`, or None if only every block (or no
+    checkpointing at all) fits. Memory falls as blocks are checkpointed: a bisection."""
+    if strategy.checkpointing == "none" or strategy.offload_activations:
+        return None
+    low, high = 0, model.num_layers  # (low does not fit, high does)
+    if plan(model, replace(strategy, checkpoint_blocks=high), gpu).required_bytes > budget:
+        return None
+    if plan(model, replace(strategy, checkpoint_blocks=low), gpu).required_bytes <= budget:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        fits = plan(model, replace(strategy, checkpoint_blocks=middle), gpu).required_bytes
+        low, high = (low, middle) if fits <= budget else (middle, high)
+    return replace(strategy, checkpoint_blocks=high) if high < model.num_layers else None
 
 
 def recommend(model: ModelConfig, gpu: GPU, **options) -> list[Strategy]:

@@ -131,18 +131,18 @@ def efficiency(model: ModelConfig) -> float:
     return PEAK_EFFICIENCY * model.hidden_size / (model.hidden_size + HALF_EFFICIENCY_WIDTH)
 
 
-def weight_traffic_bytes(strategy: Strategy) -> int:
+def weight_traffic_bytes(strategy: Strategy, checked: float = 1.0) -> float:
     """HBM bytes per parameter per micro-batch that the model's weights and gradients move
     outside the matmuls. Stages 0-2 keep fp32 weights: autocast reads each (4 B) and writes a
     bf16 copy (2 B) in every forward, the recompute included, and the bf16 weight gradient is
     cast to fp32 and added into the gradient buffer (about 14 B). Stage 3 gathers bf16 weights
     (the all-gather writes them) and gives bf16 gradients that are copied into the reduce
-    buffer (about 10 B)."""
+    buffer (about 10 B). `checked`: the part of the blocks that checkpointing reruns."""
     if strategy.precision == "fp32":
         return 8  # the gradient accumulated into its buffer
     if strategy.zero == 3:
         return 10
-    forwards = 2 if strategy.checkpointing == "full" else 1
+    forwards = 1 + checked if strategy.checkpointing == "full" else 1
     return 6 * forwards + 14
 
 
@@ -182,7 +182,7 @@ def lora_traffic_bytes_per_token(model: ModelConfig, strategy: Strategy) -> floa
     if not strategy.lora_rank:
         return 0.0
     c = 4 if strategy.precision == "fp32" else 2
-    forwards = 1 if strategy.checkpointing == "none" else 2
+    forwards = 1 + memory.checkpointed_blocks(model, strategy) / model.num_layers
     total = 0
     for linear in block_linears(model):
         if not adapted_parts(linear, strategy):
@@ -252,7 +252,9 @@ def step_time(
     # the parameters whose weights and gradients the step casts, accumulates and updates
     P = adapter_params(model, strategy) if strategy.lora_rank else model.num_params
     hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
-    weights = strategy.grad_accum * P * weight_traffic_bytes(strategy) / hbm
+    # the part of the blocks whose forward checkpointing runs again
+    checked = memory.checkpointed_blocks(model, strategy) / model.num_layers
+    weights = strategy.grad_accum * P * weight_traffic_bytes(strategy, checked) / hbm
     compute = tokens * flops_per_token / rate + weights
     compute += tokens * lora_traffic_bytes_per_token(model, strategy) / hbm
 
@@ -263,15 +265,15 @@ def step_time(
     forward_per_token = model.spec.block_forward_flops(strategy.seq_len)
     forward_per_token += 2 * adapter_params(model, strategy)
     if strategy.checkpointing == "full":
-        recompute = tokens * forward_per_token / rate
+        recompute = checked * tokens * forward_per_token / rate
     elif strategy.checkpointing == "selective":
-        recompute = tokens * max(0.0, forward_per_token - attention_forward) / rate
+        recompute = checked * tokens * max(0.0, forward_per_token - attention_forward) / rate
     else:
         recompute = 0.0
     # QLoRA: each pass of the base's products (forward, recompute, input gradient) dequantizes
     # its weights for cuBLAS, or runs the fused kernel (QUANT_MATMUL_SLOWDOWN)
     if strategy.quantize_base != "none":
-        passes = 2 if strategy.checkpointing == "none" else 3
+        passes = 2 + checked
         copies = dequantization_bytes(model, strategy, strategy.quantize_base)
         dequantize = gpu.hbm_bytes_per_s * DEQUANTIZE_HBM_EFFICIENCY
         compute += strategy.grad_accum * passes * copies / dequantize

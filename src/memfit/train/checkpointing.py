@@ -16,6 +16,12 @@ number of backward hooks):
 With `offload`, each block's input (full, selective), or without checkpointing each large tensor
 the block saves, goes to pinned CPU memory during the forward and comes back one block ahead in
 the backward (memfit.train.offload).
+
+`blocks` checkpoints only the first N blocks (Megatron-LM's "block" recompute method): the others
+keep their activations, so the recompute shrinks by (L - N)/L for (L - N) blocks' activations of
+memory. The first ones, because the backward frees the unchecked blocks' activations before any
+checkpointed block reruns: the step's peak is then the end of the forward, not a rerun beside
+every stored block. The planner (memfit.planner) prices each N.
 """
 
 from __future__ import annotations
@@ -84,11 +90,15 @@ def _checkpointed(
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, mode: CheckpointingMode, *, offload: ActivationOffload | None = None
+    model: nn.Module,
+    mode: CheckpointingMode,
+    *,
+    offload: ActivationOffload | None = None,
+    blocks: int | None = None,
 ) -> nn.Module:
-    """Make each block of `model.layers` recompute its activations in backward, in place;
-    `offload`: the block inputs (or, with mode none, the blocks' large saved tensors) go to CPU
-    memory meanwhile (memfit.train.offload).
+    """Make each block of `model.layers` (or the first `blocks` of them) recompute its
+    activations in backward, in place; `offload`: the block inputs (or, with mode none, the
+    blocks' large saved tensors) go to CPU memory meanwhile (memfit.train.offload).
 
     The module tree and state_dict are unchanged (the wrapper replaces the instance's forward),
     so checkpoints load with or without it."""
@@ -96,7 +106,12 @@ def apply_activation_checkpointing(
         raise ValueError(
             f"activation checkpointing mode {mode!r} is not one of none, full, selective"
         )
-    for block in model.layers:
+    layers = len(model.layers)
+    if blocks is not None and not 0 <= blocks <= layers:
+        raise ValueError(f"checkpoint blocks = {blocks}: the model has {layers} blocks")
+    if blocks is not None and offload is not None and blocks < layers:
+        raise ValueError("activation offload checkpoints every block or none, not some")
+    for block in list(model.layers)[: layers if blocks is None else blocks]:
         if mode != "none":
             block.forward = functools.partial(_checkpointed, block.forward, mode, offload)
     if mode == "none" and offload is not None:

@@ -159,6 +159,12 @@ class Trainer:
             )
             logger.info("tokenizer of %s", self.pretrained)
         check_seq_len(self.model_config, config.data.seq_len, error=ConfigError)
+        blocks = config.train.checkpoint_blocks
+        if blocks is not None and blocks > self.model_config.num_layers:
+            raise ConfigError(
+                f"train.checkpoint_blocks = {blocks}, but {self.model_config.name} has "
+                f"{self.model_config.num_layers} blocks"
+            )
         self.heartbeat = (
             launch.Heartbeat(self.world, deadline_s=config.distributed.heartbeat_s)
             if self.world.distributed and config.distributed.heartbeat_s > 0
@@ -253,6 +259,7 @@ class Trainer:
         self.sharded = parallelize(
             self.model,
             checkpointing=train.checkpointing,
+            checkpoint_blocks=train.checkpoint_blocks,
             compile=self.compiled,
             zero=zero,
             param_groups=groups,
@@ -729,8 +736,8 @@ class Trainer:
         return Strategy(
             precision=self.precision, micro_batch=train.micro_batch,
             seq_len=self.config.data.seq_len, grad_accum=train.grad_accum,
-            checkpointing=train.checkpointing, optimizer=train.optimizer,
-            master_weights=train.master_weights,
+            checkpointing=train.checkpointing, checkpoint_blocks=train.checkpoint_blocks,
+            optimizer=train.optimizer, master_weights=train.master_weights,
             attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
             offload_activations=train.offload_activations, world_size=self.world.world_size,
             **fine_tuning_fields(self.config),
