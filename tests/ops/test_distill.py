@@ -1,6 +1,9 @@
 """The fused linear distillation loss (memfit.ops.distill): loss and gradients equal an unfused
 reference (KL and JSD, temperatures, alpha, ignored rows, odd shapes, chunks that do not divide
-the rows); no (N, vocab) tensor is ever made; bad arguments are refused."""
+the rows), on the plain path and the Triton row kernel (under the interpreter here, on the GPU
+in the CUDA twin); no (N, vocab) tensor is ever made; bad arguments are refused."""
+
+import contextlib
 
 import pytest
 import torch
@@ -9,6 +12,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.functional import linear_distillation_loss
+from memfit.ops import distill
+from memfit.ops._triton import HAS_TRITON, triton_on_cpu
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+def row_kernel(on: bool):
+    """The row kernel on CPU tensors (Triton's interpreter), or the plain path."""
+    return triton_on_cpu() if on else contextlib.nullcontext()
 
 
 def reference(hidden, weight, teacher_hidden, teacher_weight, targets, alpha, temperature, kind):
@@ -50,14 +62,17 @@ def test_loss_and_gradients_equal_the_unfused_reference(kind, alpha, temperature
         torch.testing.assert_close(got, 0.5 * want, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_triton)])
 @pytest.mark.parametrize("kind", ["kl", "jsd"])
-def test_fp32_error_within_twice_pytorchs_own(kind):
+def test_fp32_error_within_twice_pytorchs_own(kind, kernel):
     exact = case(torch.float64, n=64, vocab=257)
     want = reference(*exact, 0.5, 2.0, kind)
     want_grads = torch.autograd.grad(want, exact[:2])
     single = [t.detach().float().requires_grad_(t.requires_grad) for t in exact[:4]] + [exact[4]]
-    ours = linear_distillation_loss(*single, alpha=0.5, temperature=2.0, kind=kind, chunk_size=16)
-    ours_grads = torch.autograd.grad(ours, single[:2])
+    with row_kernel(kernel):
+        ours = linear_distillation_loss(*single, alpha=0.5, temperature=2.0, kind=kind,
+                                        chunk_size=16)  # fmt: skip
+        ours_grads = torch.autograd.grad(ours, single[:2])
     torch_loss = reference(*single, 0.5, 2.0, kind)
     torch_grads = torch.autograd.grad(torch_loss, single[:2])
     assert abs(ours.double() - want) <= 2 * abs(torch_loss.double() - want) + 1e-6 * abs(want)
@@ -66,8 +81,9 @@ def test_fp32_error_within_twice_pytorchs_own(kind):
         assert error <= 2 * (theirs.double() - truth).abs().max() + 1e-7
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_triton)])
 @pytest.mark.parametrize("kind", ["kl", "jsd"])
-def test_bf16_autocast_error_within_twice_pytorchs_own(kind):
+def test_bf16_autocast_error_within_twice_pytorchs_own(kind, kernel):
     """Under bf16 autocast (the model's bf16 hidden states, an fp32 student head, a bf16
     teacher) against the same unfused loss under autocast, both measured against fp64."""
     exact = case(torch.float64, n=64, vocab=257)
@@ -77,7 +93,7 @@ def test_bf16_autocast_error_within_twice_pytorchs_own(kind):
     exact_bf16 = [hidden.detach().double().requires_grad_(), exact[1]]  # (hidden as rounded)
     want = reference(*exact_bf16, *[t.double() for t in teacher], exact[4], 0.5, 2.0, kind)
     want_grads = torch.autograd.grad(want, exact_bf16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with row_kernel(kernel), torch.autocast("cpu", dtype=torch.bfloat16):
         ours = linear_distillation_loss(hidden, weight, *teacher, exact[4], alpha=0.5,
                                         temperature=2.0, kind=kind, chunk_size=16)  # fmt: skip
         ours_grads = torch.autograd.grad(ours, [hidden, weight])
@@ -89,6 +105,54 @@ def test_bf16_autocast_error_within_twice_pytorchs_own(kind):
         assert mine.dtype == pytorchs.dtype
         error = (mine.double() - truth).abs().max()
         assert error <= 2 * (pytorchs.double() - truth).abs().max() + 1e-6
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["kl", "jsd"])
+@pytest.mark.parametrize(
+    "alpha, temperature, vocab",
+    [(0.5, 1.0, 103), (1.0, 2.5, 4099), (0.0, 1.0, 5000), (0.3, 0.7, 7)],
+)
+def test_the_row_kernel_equals_the_plain_path(kind, alpha, temperature, vocab):
+    """fp32, odd vocabularies (one block, a block and a bit), ignored rows, a chunk that does
+    not divide the rows: the kernel's loss and gradients are the plain path's to fp32
+    rounding."""
+    inputs = case(torch.float32, vocab=vocab, seed=1)
+    options = {"alpha": alpha, "temperature": temperature, "kind": kind, "chunk_size": 16}
+    plain = linear_distillation_loss(*inputs, **options)
+    plain_grads = torch.autograd.grad(plain, inputs[:2])
+    with triton_on_cpu():
+        assert distill._use_kernel(torch.device("cpu"), torch.float32)
+        fused = linear_distillation_loss(*inputs, **options)
+        fused_grads = torch.autograd.grad(fused, inputs[:2])
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    for got, want in zip(fused_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["kl", "jsd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_row_kernel_on_cuda(monkeypatch, kind, dtype):
+    """The GPU twin: the kernel (KERNEL_ON_CUDA) at a llama vocabulary, within 2x of PyTorch's
+    own error in the same precision against fp64, for the loss and both gradients."""
+    monkeypatch.setattr(distill, "KERNEL_ON_CUDA", True)
+    exact = [t.cuda() for t in case(torch.float64, n=300, d=64, d_t=96, vocab=32003)]
+    want = reference(*exact, 0.5, 2.0, kind)
+    want_grads = torch.autograd.grad(want, exact[:2])
+    low = [exact[0].detach().to(dtype).requires_grad_(), exact[1].detach().float().requires_grad_()]
+    teacher = [exact[2].to(dtype), exact[3].to(dtype)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        assert distill._use_kernel(low[0].device, dtype)
+        ours = linear_distillation_loss(*low, *teacher, exact[4], alpha=0.5, temperature=2.0,
+                                         kind=kind, chunk_size=128)  # fmt: skip
+        ours_grads = torch.autograd.grad(ours, low)
+        theirs = reference(*low, *teacher, exact[4], 0.5, 2.0, kind)
+        theirs_grads = torch.autograd.grad(theirs, low)
+    assert abs(ours.double() - want) <= 2 * abs(theirs.double() - want) + 1e-5 * abs(want)
+    for mine, pytorchs, truth in zip(ours_grads, theirs_grads, want_grads, strict=True):
+        error = (mine.double() - truth).abs().max()
+        assert error <= 2 * (pytorchs.double() - truth).abs().max() + 1e-7
 
 
 def test_a_head_in_the_compute_dtype_is_not_copied_to_fp32():
