@@ -389,10 +389,11 @@ class Config:
                 "for now (ZeRO shards and offloads fp32 master weights)"
             )
 
-        if self.lora.rank and (self.distributed.zero or self.distributed.offload != "none"):
+        if self.lora.rank and (self.distributed.zero == 3 or self.distributed.offload != "none"):
             raise ValueError(
-                "LoRA trains on one process without --zero and --offload for now (its adapters "
-                "are a few MB; the frozen base is stored once in the compute dtype)"
+                "LoRA trains with --zero 0, 1 or 2 (one process, or data-parallel under "
+                "torchrun), without --zero 3 and --offload for now: its adapters and their states "
+                "are a few MB, and the frozen base is stored once in the compute dtype on each GPU"
             )
         if self.lora.rank and self.train.master_weights == "none":
             raise ValueError(

@@ -100,8 +100,8 @@ def test_plan_reads_a_runs_config(run_config, capsys):
     "argv, message",
     [
         (
-            ["--lora-rank", "16", "--zero", "2", "--gpus", "2"],
-            "LoRA trains on one process without ZeRO and offload (got --zero 2",
+            ["--lora-rank", "16", "--zero", "3", "--gpus", "2"],
+            "LoRA trains with ZeRO stage 0, 1 or 2, without offload (got --zero 3",
         ),
         (["--quantize-base", "nf4"], "quantizes the frozen base of a LoRA run: set lora_rank"),
         (["--lora-rank", "-1"], "--lora-rank must be >= 0 (0: no LoRA), got -1"),

@@ -343,8 +343,8 @@ def test_what_would_fit_offers_lora_last():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"lora_rank": 16, "zero": 2, "world_size": 2}, "LoRA trains on one process without ZeRO"),
-        ({"lora_rank": 16, "offload": "optimizer"}, "LoRA trains on one process without ZeRO"),
+        ({"lora_rank": 16, "zero": 3, "world_size": 2}, "LoRA trains with ZeRO stage 0, 1 or 2"),
+        ({"lora_rank": 16, "offload": "optimizer"}, "LoRA trains with ZeRO stage 0, 1 or 2"),
         (
             {"lora_rank": 16, "optimizer": "adamw8bit", "master_weights": "none"},
             "drop --master-weights none",

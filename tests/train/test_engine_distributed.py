@@ -23,10 +23,11 @@ STEPS = 3
 def config(
     tmp, *, micro_batch, grad_accum=1, zero=0, offload="none", lr=3e-3, name="run", steps=STEPS,
     resume=False, reduce_dtype="fp32", checkpointing="none", device="cpu", precision="fp32",
-    offload_activations=False,
+    offload_activations=False, lora=None,
 ):  # fmt: skip
     return build_config(
         flags={
+            **({"lora": lora} if lora else {}),
             "data": {"seq_len": 32},
             "train": {
                 "steps": steps,
@@ -143,6 +144,42 @@ def test_two_ranks_train_like_one_process(tmp_path, zero, offload, grad_accum, c
     # AdamW divides by sqrt(v): a near-zero gradient element turns reduction-order noise into
     # ~1e-5 of parameter; a wrong gradient moves parameters by ~lr (3e-3) per step
     for name, ref in ref_params.items():
+        torch.testing.assert_close(
+            torch.from_numpy(params[name]), ref, rtol=1e-4, atol=1e-4, msg=name
+        )
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_two_ranks_train_lora_adapters_like_one_process(tmp_path, zero):
+    """LoRA data-parallel: the adapters' gradients are reduced (stages 1-2 shard their states),
+    the frozen base stays as it was on every rank."""
+    lora = {"rank": 4, "alpha": 8.0}
+    results = run_two(tmp_path, micro_batch=2, zero=zero, lora=lora)
+    assert all(r[0] == "ok" for r in results.values()), results
+    ref_losses, ref_params = reference(tmp_path, micro_batch=4, lora=lora)
+    _, losses, params = results[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert results[1][1] == losses
+    adapters = [name for name in ref_params if "lora_" in name]
+    assert adapters and any(float(ref_params[n].abs().max()) > 0 for n in adapters if "lora_B" in n)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(
+            torch.from_numpy(params[name]), ref, rtol=1e-4, atol=1e-4, msg=name
+        )
+
+
+def test_a_two_rank_lora_run_resumes_at_another_stage(tmp_path):
+    """Saved by 2 ranks at ZeRO-1 (step 2 of 3), resumed by 2 ranks at ZeRO-2: the adapters and
+    their optimizer states come back, and the next step's loss is the uninterrupted run's."""
+    lora = {"rank": 4, "alpha": 8.0}
+    saved = run_two(tmp_path, micro_batch=2, zero=1, lora=lora, stop_at=2)
+    assert all(r[0] == "ok" for r in saved.values()), saved
+    resumed = run_two(tmp_path, micro_batch=2, zero=2, lora=lora, resume=True, stop_at=1)
+    assert all(r[0] == "ok" for r in resumed.values()), resumed
+    ref_losses, ref_params = reference(tmp_path, micro_batch=4, lora=lora)
+    _, losses, params = resumed[0]
+    assert losses == pytest.approx(ref_losses[2:], rel=1e-5)
+    for name, ref in ref_params.items():  # (AdamW's moments came back too)
         torch.testing.assert_close(
             torch.from_numpy(params[name]), ref, rtol=1e-4, atol=1e-4, msg=name
         )

@@ -147,7 +147,11 @@ def test_export_of_a_preset_run_writes_its_config(tmp_path):
     [
         ({"lora": {"rank": 4, "targets": "qkv"}}, "unknown LoRA target 'qkv'"),
         ({"lora": {"rank": -1}}, "lora.rank must be >= 0"),
-        ({"lora": {"rank": 4}, "distributed": {"zero": 1}}, "LoRA trains on one process"),
+        ({"lora": {"rank": 4}, "distributed": {"zero": 3}}, "LoRA trains with --zero 0, 1 or 2"),
+        (
+            {"lora": {"rank": 4}, "distributed": {"offload": "optimizer"}},
+            "without --zero 3 and --offload",
+        ),
     ],
 )
 def test_bad_lora_settings_are_refused(sections, message):

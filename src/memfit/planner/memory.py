@@ -212,11 +212,11 @@ class Strategy:
                 f"quantize_base {self.quantize_base!r} quantizes the frozen base of a LoRA run: "
                 "set lora_rank (--lora-rank) too"
             )
-        if self.lora_rank and (self.zero or self.offload != "none"):
+        if self.lora_rank and (self.zero == 3 or self.offload != "none"):
             raise ValueError(
-                f"LoRA trains on one process without ZeRO and offload (got --zero {self.zero} "
-                f"--offload {self.offload}): its adapters are a few MB and the frozen base is "
-                "stored once in the compute dtype; drop --zero and --offload"
+                f"LoRA trains with ZeRO stage 0, 1 or 2, without offload (got --zero {self.zero} "
+                f"--offload {self.offload}): its adapters and their states are a few MB and the "
+                "frozen base is stored once in the compute dtype on each GPU"
             )
         if self.lora_rank and self.master_weights == "none":
             raise ValueError(
