@@ -88,11 +88,15 @@ def within_peak(model: str, args, peaks: list[float]) -> dict:
     """memfit checkpointing `blocks_within` the peak of the peft row run before it."""
     if not peaks:
         raise RuntimeError("needs the transformers+peft row's peak first")
-    return memfit_run(model, args, checkpoint_blocks=blocks_within(model, args, peaks[0]))
+    blocks = blocks_within(model, args, peaks[0])
+    if blocks is None:
+        raise RuntimeError(f"no checkpointed block count plans within peft's {peaks[0]:.2f} GiB")
+    return memfit_run(model, args, checkpoint_blocks=blocks)
 
 
-def blocks_within(model: str, args, peak_gib: float) -> int:
-    """The fewest blocks to checkpoint whose planned peak is 3% or more below `peak_gib`."""
+def blocks_within(model: str, args, peak_gib: float) -> int | None:
+    """The fewest blocks to checkpoint whose planned peak is 3% or more below `peak_gib` (None:
+    not even every block's)."""
     from memfit.planner import Strategy, plan
 
     config = PRESETS[model]
@@ -102,7 +106,7 @@ def blocks_within(model: str, args, peak_gib: float) -> int:
                             lora_rank=args.rank)  # fmt: skip
         if plan(config, strategy).peak_bytes <= 0.97 * peak_gib * 2**30:
             return blocks
-    return config.num_layers
+    return None
 
 
 def _planned(trainer: Trainer) -> dict:

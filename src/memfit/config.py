@@ -477,7 +477,10 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     allowed = _literal_values(hint)
     target = type(allowed[0]) if allowed else hint
     if typing.get_origin(target) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        optional = type(None) in typing.get_args(target)
         target = next(t for t in typing.get_args(target) if t is not type(None))
+        if optional and (value is None or str(value).lower() in ("none", "all")):
+            return None  # (`--set train.checkpoint_blocks=all` clears a file's value)
     try:
         if target is bool:
             if isinstance(value, bool):
@@ -556,6 +559,8 @@ def to_toml(config: Config) -> str:
     for section, values in config.to_dict().items():
         lines.append(f"[{section}]")
         for key, value in values.items():
+            if value is None:  # (an optional setting left unset: its default when read back)
+                continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, (int, float)):

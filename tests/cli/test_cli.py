@@ -78,6 +78,21 @@ def test_config_file_flags_and_set_precedence(tmp_path):
     ) == 1
 
 
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_a_saved_config_toml_loads_back_as_the_same_config(tmp_path, blocks):
+    """A checkpoint's config.toml is a --config file: an optional setting left unset (None) is
+    left out, and `--set ...=all` clears one a file gave."""
+    from memfit.config import build_config, to_toml
+
+    flags = {"train": {"checkpointing": "full", "checkpoint_blocks": blocks}}
+    config = build_config(flags=flags)
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config))
+    assert build_config(str(path)) == config
+    cleared = build_config(str(path), sets=["train.checkpoint_blocks=all"])
+    assert cleared.train.checkpoint_blocks is None
+
+
 def test_resume_continues_the_run(tmp_path):
     run = tmp_path / "r"
     common = ["train", "--set", "data.seq_len=32", "--micro-batch", "2", "--out", str(run)]

@@ -230,6 +230,18 @@ def test_ignored_rows_and_all_ignored_chunks(path):
     assert torch.count_nonzero(grad_hidden) == 0 and torch.count_nonzero(grad_weight) == 0
 
 
+def test_strided_targets_are_read_as_their_values(path):
+    """Targets as a strided view (every other element of a longer tensor), on either path."""
+    torch.manual_seed(0)
+    hidden_states, weight, targets = make_inputs(20, 16, 30, torch.float32)
+    strided = torch.stack([targets, torch.zeros_like(targets)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    got = loss_and_grads(linear_cross_entropy, hidden_states, weight, strided, chunk_size=8)
+    want = loss_and_grads(linear_cross_entropy, hidden_states, weight, targets, chunk_size=8)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_custom_ignore_index_inside_the_vocabulary(path):
     torch.manual_seed(0)
     hidden_states, weight, targets = make_inputs(15, 8, 12, torch.float32, ignore_fraction=0.0)

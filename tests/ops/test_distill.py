@@ -130,6 +130,19 @@ def test_the_row_kernel_equals_the_plain_path(kind, alpha, temperature, vocab):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@needs_triton
+def test_strided_targets_are_read_as_their_values():
+    """Targets as a strided view (every other element of a longer tensor): the kernel reads the
+    values, not the memory after them."""
+    hidden, weight, teacher_hidden, teacher_weight, targets = case(torch.float32)
+    strided = torch.stack([targets, torch.zeros_like(targets)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    plain = linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets)
+    with triton_on_cpu():
+        fused = linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, strided)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["kl", "jsd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -207,6 +220,11 @@ def test_bad_arguments_are_refused():
         linear_distillation_loss(*inputs, temperature=0)
     with pytest.raises(ValueError, match="kind must be"):
         linear_distillation_loss(*inputs, kind="mse")
+    hidden, weight, teacher_hidden, teacher_weight, targets = inputs
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 103\) or ignore_index=-100"):
+        linear_distillation_loss(
+            hidden, weight, teacher_hidden, teacher_weight, torch.full_like(targets, 103)
+        )
     hidden, weight, teacher_hidden, teacher_weight, targets = inputs
     with pytest.raises(ValueError, match="same 37 rows over the same vocabulary of 103"):
         linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight[:50], targets)

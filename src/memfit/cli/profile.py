@@ -114,11 +114,15 @@ def run_profile(
             f"{parallel}: 1 warm-up + {steps} measured steps",
             highlight=False,
         )
-    measurement = measure_memory(trainer, steps=steps)
-    per_rank = [measurement]
-    if trainer.world.distributed:  # every rank measured its own; rank 0 reports them all
-        per_rank = [None] * trainer.world.world_size
-        torch.distributed.all_gather_object(per_rank, measurement.to_json())
+    try:
+        measurement = measure_memory(trainer, steps=steps)
+        per_rank = [measurement]
+        if trainer.world.distributed:  # every rank measured its own; rank 0 reports them all
+            per_rank = [None] * trainer.world.world_size
+            torch.distributed.all_gather_object(per_rank, measurement.to_json())
+    except BaseException:
+        trainer.close(failed=True)
+        raise
     trainer.close()
     if not main:
         return 0

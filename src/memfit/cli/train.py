@@ -119,8 +119,12 @@ def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
                 soft_wrap=True,
             )
 
-    with progress:
-        history = trainer.fit(on_step)
+    try:
+        with progress:
+            history = trainer.fit(on_step)
+    except BaseException:
+        trainer.close(failed=True)
+        raise
     trainer.close()
 
     table = Table(title="memfit train: summary", show_header=False)

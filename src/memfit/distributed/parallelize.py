@@ -40,13 +40,18 @@ def apply_compile(model: nn.Module) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def compiles_blocks(compile: str, device: torch.device, checkpointing: str) -> bool:
-    """Whether `--compile` compiles the blocks. auto: on CUDA when blocks are not checkpointed.
+def compiles_blocks(
+    compile: str, device: torch.device, checkpointing: str, checkpoint_blocks: int | None = None
+) -> bool:
+    """Whether `--compile` compiles the blocks. auto: on CUDA when no block is checkpointed
+    (with some checkpointed, none is compiled).
     Compiled checkpointed blocks kept more memory than eager ones in our H100 measurements
     (llama-1b, micro-batch 8, full: 19.8 vs 15.4 GiB peak), while eager with memfit's kernels was
     within 3-12% of their speed (BENCHMARKS.md); --compile on still compiles them."""
     return compile == "on" or (
-        compile == "auto" and device.type == "cuda" and checkpointing == "none"
+        compile == "auto"
+        and device.type == "cuda"
+        and (checkpointing == "none" or checkpoint_blocks == 0)
     )
 
 

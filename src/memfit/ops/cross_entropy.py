@@ -560,7 +560,7 @@ def linear_cross_entropy(
             f"linear_cross_entropy expects compute_dtype in {list(_COMPUTE_DTYPES)}, got "
             f"{compute_dtype}"
         )
-    targets = targets.long()
+    targets = targets.long().contiguous()  # (the row kernel reads it with unit stride)
     out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
     if out_of_range.any():  # one host-device sync
         raise ValueError(

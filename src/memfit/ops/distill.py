@@ -346,6 +346,15 @@ def linear_distillation_loss(
         raise ValueError(f"kind must be 'kl' or 'jsd', got {kind!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    targets = targets.long().contiguous()  # (the row kernel reads it with unit stride)
+    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if out_of_range.any():  # one host-device sync
+        raise ValueError(
+            f"targets must be in [0, {vocab}) or ignore_index={ignore_index}, got target "
+            f"{targets[out_of_range][0].item()}"
+        )
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
         compute_dtype = torch.get_autocast_dtype(device_type)

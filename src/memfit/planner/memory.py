@@ -796,7 +796,9 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     backward_rerun = phase(
         grads=grads_alive_in_forward or min(grads, unchecked * layer_grad + output_grad),
         activations=checked_activations,
-        temporaries=transient if checked and unchecked else 0,
+        temporaries=(transient + (weight_copies if strategy.zero == 3 else 0))
+        if checked and unchecked
+        else 0,
     )
     # what the optimizer allocates while it steps (torch's foreach SGD adds weight decay out of
     # place: one gradient-sized temporary)
@@ -1035,6 +1037,28 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def fewest_checkpointed_blocks(
+    model: ModelConfig, strategy: Strategy, gpu: GPU | None = None, *, budget: float
+) -> Strategy | None:
+    """`strategy` (checkpointing full or selective) with the fewest blocks checkpointed whose
+    MemoryPlan.required_bytes stays within `budget`, or None if only every block (or no
+    checkpointing at all) fits. A bisection between the two: it finds where the plans cross the
+    budget (memory falls block by block as blocks are checkpointed, except at the two ends,
+    where the plain modes' own terms apply)."""
+    if strategy.checkpointing == "none" or strategy.offload_activations:
+        return None
+    low, high = 0, model.num_layers  # (low does not fit, high does)
+    if plan(model, replace(strategy, checkpoint_blocks=high), gpu).required_bytes > budget:
+        return None
+    if plan(model, replace(strategy, checkpoint_blocks=low), gpu).required_bytes <= budget:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        fits = plan(model, replace(strategy, checkpoint_blocks=middle), gpu).required_bytes
+        low, high = (low, middle) if fits <= budget else (middle, high)
+    return replace(strategy, checkpoint_blocks=high) if high < model.num_layers else None
+
+
 def what_would_fit(
     model: ModelConfig, strategy: Strategy, gpu: GPU
 ) -> list[tuple[str, MemoryPlan]]:
@@ -1042,10 +1066,22 @@ def what_would_fit(
     A change that the strategy cannot take (offload or ZeRO with bf16 weights, say) is left out."""
     candidates: list[tuple[str, dict]] = []
     every = {"checkpoint_blocks": None}  # (every block)
+    drop = " (every block: drop --checkpoint-blocks)" if strategy.checkpoint_blocks else ""
+    for mode in ("selective", "full"):  # (only the blocks it takes to fit, first)
+        fewest = fewest_checkpointed_blocks(
+            model, replace(strategy, checkpointing=mode, checkpoint_blocks=None), gpu,
+            budget=gpu.memory_bytes,
+        )  # fmt: skip
+        if fewest is not None and fewest.checkpoint_blocks != strategy.checkpoint_blocks:
+            blocks = fewest.checkpoint_blocks
+            label = f"--checkpointing {mode} --checkpoint-blocks {blocks}"
+            candidates.append((label, {"checkpointing": mode, "checkpoint_blocks": blocks}))
     if strategy.checkpointing != "selective" or strategy.checkpoint_blocks is not None:
-        candidates.append(("--checkpointing selective", {"checkpointing": "selective", **every}))
+        candidates.append(
+            (f"--checkpointing selective{drop}", {"checkpointing": "selective", **every})
+        )
     if strategy.checkpointing != "full" or strategy.checkpoint_blocks is not None:
-        candidates.append(("--checkpointing full", {"checkpointing": "full", **every}))
+        candidates.append((f"--checkpointing full{drop}", {"checkpointing": "full", **every}))
     mb = strategy.micro_batch
     while mb > 1:
         mb //= 2

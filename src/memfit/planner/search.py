@@ -20,12 +20,12 @@ things and are not to be compared by speed alone.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.models.config import ModelConfig, check_seq_len
 from memfit.planner.hardware import GPU
-from memfit.planner.memory import MemoryPlan, Strategy, plan
+from memfit.planner.memory import MemoryPlan, Strategy, fewest_checkpointed_blocks, plan
 from memfit.planner.time import StepTime, step_time
 
 LORA_RANK = 16
@@ -182,26 +182,6 @@ def _search(
             memory = plan(model, partial, gpu)
             found.append(Recommendation(partial, memory, step_time(model, partial, gpu)))
     return found
-
-
-def fewest_checkpointed_blocks(
-    model: ModelConfig, strategy: Strategy, gpu: GPU | None = None, *, budget: float
-) -> Strategy | None:
-    """`strategy` (checkpointing full or selective) with the fewest blocks checkpointed whose
-    MemoryPlan.required_bytes stays within `budget`, or None if only every block (or no
-    checkpointing at all) fits. Memory falls as blocks are checkpointed: a bisection."""
-    if strategy.checkpointing == "none" or strategy.offload_activations:
-        return None
-    low, high = 0, model.num_layers  # (low does not fit, high does)
-    if plan(model, replace(strategy, checkpoint_blocks=high), gpu).required_bytes > budget:
-        return None
-    if plan(model, replace(strategy, checkpoint_blocks=low), gpu).required_bytes <= budget:
-        return None
-    while high - low > 1:
-        middle = (low + high) // 2
-        fits = plan(model, replace(strategy, checkpoint_blocks=middle), gpu).required_bytes
-        low, high = (low, middle) if fits <= budget else (middle, high)
-    return replace(strategy, checkpoint_blocks=high) if high < model.num_layers else None
 
 
 def recommend(model: ModelConfig, gpu: GPU, **options) -> list[Strategy]:

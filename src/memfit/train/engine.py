@@ -252,7 +252,9 @@ class Trainer:
 
         # 5. techniques, in order: activation checkpointing, compile, ZeRO-3 sharding
         groups = parameter_groups(self.model, train.weight_decay)
-        self.compiled = compiles_blocks(config.model.compile, self.device, train.checkpointing)
+        self.compiled = compiles_blocks(
+            config.model.compile, self.device, train.checkpointing, train.checkpoint_blocks
+        )
         self.activation_offload = (
             ActivationOffload(self.device) if train.offload_activations else None
         )
@@ -876,12 +878,17 @@ class Trainer:
             self.heartbeat.stop()
         return history
 
-    def close(self) -> None:
-        """End this rank's part in a torchrun launch: stop the heartbeat and leave the process
-        group. Called by the CLI once its work is done; a single-process run has nothing to end."""
+    def close(self, *, failed: bool = False) -> None:
+        """End this rank's part in a torchrun launch: wait for every rank (the heartbeat still
+        ends this one if a peer is stopped meanwhile), stop the heartbeat, leave the process
+        group. `failed`: this rank is leaving on an error, which the others may not share: only
+        the heartbeat stops (torchrun ends the run). The CLI calls it once its work is done; a
+        single-process run has nothing to end."""
+        if self.world.distributed and not failed:
+            self._barrier()
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        if self.world.distributed:
+        if self.world.distributed and not failed:
             launch.close_world()
 
     stopped_by: str | None = None
