@@ -47,8 +47,12 @@ def recommend(
 def __getattr__(name: str) -> Any:
     # memfit.flash_attention / memfit.flash_attention_varlen, imported on first use (triton is
     # slow to import and `memfit plan` never needs it)
-    if name in ("flash_attention", "flash_attention_varlen"):
+    if name in ("flash_attention", "flash_attention_varlen", "sparse_attention"):
         from memfit.ops import attention as module
 
         return getattr(module, name)
+    if name == "sparse":  # the sparse attention patterns (memfit.sparse.local(512), ...)
+        from memfit.ops.attention import sparse
+
+        return sparse
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")

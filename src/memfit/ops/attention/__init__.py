@@ -44,10 +44,12 @@ cover multi-block and partial-block paths.
 
 Files: `tiles.py` (shared tile and mask helpers), `forward.py` and `backward.py` (the kernels),
 `launch.py` (configurations and launchers), `interface.py` (validation, the torch.library ops,
-autograd, the public functions). A block-sparse mask or a paged decode kernel is a new file beside
-these, reusing the tile helpers.
+autograd, the public functions); `paged.py` (the paged decode kernel); `sparse.py` (sparse
+patterns and their block layouts) and `block_sparse.py` (`sparse_attention`, the block-sparse
+kernels), reusing the tile helpers.
 """
 
+from memfit.ops.attention.block_sparse import sparse_attention
 from memfit.ops.attention.interface import (
     SUPPORTED_HEAD_DIMS,
     flash_attention,
@@ -60,4 +62,5 @@ __all__ = [
     "flash_attention",
     "flash_attention_varlen",
     "head_dim_supported",
+    "sparse_attention",
 ]

@@ -116,6 +116,26 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, le
     return out, lse
 
 
+def delta_and_lse2(
+    out: Tensor, dout: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None, max_seqlen_q: int,
+    batch: int, heads: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The backward's first kernel: delta = rowsum(dout * out) and lse2 = lse * log2(e), laid
+    out like lse (the block-sparse backward's too)."""
+    varlen = cu_seqlens_q is not None
+    head_dim = out.shape[-1]
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    block = 16 if interpreter_enabled() else 64
+    launch(
+        _bwd_preprocess_kernel, (triton.cdiv(max_seqlen_q, block), batch * heads), out.device,
+        out, dout, lse, delta, lse2, cu_seqlens_q, *_layout(out), *_layout(dout), *stride_lse,
+        max_seqlen_q, heads, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IS_VARLEN=varlen, BLOCK_M=block,
+    )  # fmt: skip
+    return delta, lse2
+
+
 def _backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right,
     scale,
@@ -132,15 +152,8 @@ def _backward(
         dout = dout.contiguous()
     block_d = max(16, triton.next_power_of_2(head_dim))
     interpret = interpreter_enabled()
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    delta, lse2 = delta_and_lse2(out, dout, lse, cu_seqlens_q, max_seqlen_q, batch, heads)
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    pre_block = 16 if interpret else 64
-    launch(
-        _bwd_preprocess_kernel, (triton.cdiv(max_seqlen_q, pre_block), batch * heads), q.device,
-        out, dout, lse, delta, lse2, cu_seqlens_q, *_layout(out), *_layout(dout), *stride_lse,
-        max_seqlen_q, heads, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
-        BLOCK_M=pre_block,
-    )  # fmt: skip
     group = heads // heads_kv
     kernel, meta = _kernel("bwd", block_d)
 

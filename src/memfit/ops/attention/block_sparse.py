@@ -1,0 +1,437 @@
+"""Block-sparse FlashAttention: exact attention over a sparse pattern (memfit.ops.attention.sparse)
+whose work is proportional to the tiles the pattern's layout lists.
+
+The kernels are FlashAttention's (the package docstring: online softmax forward, then delta,
+dk/dv and dq programs without atomics, so reruns are bitwise equal), walking a layout instead of
+a band: a forward or dq program owns a query tile and visits the key tiles of its CSR row; a
+dk/dv program owns a key tile and visits the query tiles of its CSR column, for every query head
+of its GQA group. A tile's kind (FULL, RULE, CAUSAL) says how its pairs are masked; the token
+rule (band, strided columns, global tokens, causality) is computed in registers from positions
+and a per-token flag of global tokens. Tiles past a sequence's end are skipped and rows past it
+never stored, so any length runs; packed variable-length batches take cu_seqlens, every sequence
+walking the same layout from its own start (positions, global tokens, random blocks are per
+sequence).
+
+A query row that sees no key (only possible with a user layout) gets a zero output and
+lse = -inf, and no gradient.
+
+Dilated patterns run as `dilation` interleaved subsequences (the tensors are regrouped so that
+each subsequence is contiguous, attended with the subsequence's layout, and put back): work
+1/dilation of the undilated pattern's.
+
+On CPU tensors outside `memfit.ops._triton.triton_on_cpu()` a plain-PyTorch path runs the dense
+masked product (O(seqlen^2) memory: for tests and small shapes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from memfit.ops._triton import HAS_TRITON, interpreter_enabled, launch, tl, triton, use_triton_on
+from memfit.ops.attention.launch import LOG2E, _layout, delta_and_lse2
+from memfit.ops.attention.sparse import NO_LIMIT, BlockLayout, Pattern, block_layout, dense_mask
+from memfit.ops.attention.tiles import _dot, _sequence, _to_dtype
+
+__all__ = ["layout_of", "sparse_attention"]
+
+# tile size on GPUs (square: the layout's) and under the interpreter
+GPU_BLOCK = 64
+INTERPRET_BLOCK = 16
+
+
+@triton.jit
+def _keep(
+    rows,
+    cols,
+    kind,
+    seqlen,
+    global_ptr,
+    left,
+    right,
+    STRIDE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+):
+    """Which (row, col) pairs of a tile are attended (positions within the sequence): by the
+    tile's kind, FULL everything, CAUSAL col <= row, else the token rule; never past the end."""
+    rule = (cols >= rows - left) & (cols <= rows + right)
+    if STRIDE > 0:
+        rule = rule | ((cols + 1) % STRIDE == 0)
+    if HAS_GLOBAL:
+        row_global = tl.load(global_ptr + rows, mask=rows < seqlen, other=0) != 0
+        col_global = tl.load(global_ptr + cols, mask=cols < seqlen, other=0) != 0
+        rule = rule | row_global | col_global
+    if IS_CAUSAL:
+        rule = rule & (cols <= rows)
+    keep = tl.where(kind == 0, cols >= 0, tl.where(kind == 2, cols <= rows, rule))
+    return keep & (cols < seqlen) & (rows < seqlen)
+
+
+@triton.jit
+def _sparse_fwd_kernel(
+    Q, K, V, Out, LSE, CU, INDPTR, INDICES, KINDS, GLOBAL,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+    seqlen, left, right, qk_scale, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One query tile of one (sequence, head): the online softmax over its layout row."""
+    tile = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
+    start_m = tile * BLOCK
+    if start_m >= seqlen:
+        return
+    off_b64 = off_b.to(tl.int64)
+    start64 = start.to(tl.int64)
+    q_base = Q + off_b64 * stride_qb + start64 * stride_qn + off_h * stride_qh
+    k_base = K + off_b64 * stride_kb + start64 * stride_kn + (off_h // GROUP) * stride_kh
+    v_base = V + off_b64 * stride_vb + start64 * stride_vn + (off_h // GROUP) * stride_vh
+    offs_m = start_m + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    io_mask = (offs_m[:, None] < seqlen) & d_ok
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=io_mask, other=0.0)
+    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    lo = tl.load(INDPTR + tile)
+    hi = tl.load(INDPTR + tile + 1)
+    for i in range(lo, hi):
+        start_n = tl.load(INDICES + i) * BLOCK
+        kind = tl.load(KINDS + i)
+        cols = start_n + tl.arange(0, BLOCK)
+        kv_mask = (cols[:, None] < seqlen) & d_ok
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), None, INTERPRET)
+        keep = _keep(
+            offs_m[:, None], cols[None, :], kind, seqlen, GLOBAL, left, right, STRIDE,
+            IS_CAUSAL, HAS_GLOBAL,
+        )  # fmt: skip
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # (a row that has seen no key yet)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(_to_dtype(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+        m_i = m_ij
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(
+        seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf")
+    )
+    o_base = Out + off_b64 * stride_ob + start64 * stride_on + off_h * stride_oh
+    tl.store(
+        o_base + offs_m[:, None] * stride_on + offs_d[None, :],
+        _to_dtype(acc, Out.dtype.element_ty, INTERPRET),
+        mask=io_mask,
+    )
+    tl.store(
+        LSE + off_b64 * stride_lb + off_h * stride_lh + start + offs_m, lse, mask=offs_m < seqlen
+    )
+
+
+@triton.jit
+def _sparse_dkdv_kernel(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, CU, T_INDPTR, T_INDICES, T_KINDS, GLOBAL,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
+    seqlen, left, right, qk_scale, softmax_scale, num_heads_kv,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """dk, dv of one key tile of one (sequence, kv head): over the query tiles of its layout
+    column, for each query head of the group (computed transposed: keys x queries)."""
+    tile = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // num_heads_kv
+    off_hk = off_bh % num_heads_kv
+    start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
+    start_n = tile * BLOCK
+    if start_n >= seqlen:
+        return
+    off_b64 = off_b.to(tl.int64)
+    start64 = start.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    kv_mask = (offs_n[:, None] < seqlen) & d_ok
+    k_base = K + off_b64 * stride_kb + start64 * stride_kn + off_hk * stride_kh
+    v_base = V + off_b64 * stride_vb + start64 * stride_vn + off_hk * stride_vh
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    lo = tl.load(T_INDPTR + tile)
+    count = tl.load(T_INDPTR + tile + 1) - lo
+    for step in range(0, GROUP * count):  # (one counted loop over (head, query tile))
+        g = step // count
+        i = lo + step - g * count
+        off_h = off_hk * GROUP + g
+        start_m = tl.load(T_INDICES + i) * BLOCK
+        kind = tl.load(T_KINDS + i)
+        offs_m = start_m + tl.arange(0, BLOCK)
+        row_ok = offs_m < seqlen
+        io_mask = row_ok[:, None] & d_ok
+        q_rows = start64 * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
+        q = tl.load(Q + off_b64 * stride_qb + off_h * stride_qh + q_rows, mask=io_mask, other=0.0)
+        do_rows = start64 * stride_don + offs_m[:, None] * stride_don + offs_d[None, :]
+        do = tl.load(
+            DO + off_b64 * stride_dob + off_h * stride_doh + do_rows, mask=io_mask, other=0.0
+        )
+        row = off_b64 * stride_lb + off_h * stride_lh + start + offs_m
+        lse2 = tl.load(LSE2 + row, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        qkT = _dot(k, tl.trans(q), None, INTERPRET)
+        dpT = _dot(v, tl.trans(do), None, INTERPRET)
+        keepT = _keep(
+            offs_m[None, :], offs_n[:, None], kind, seqlen, GLOBAL, left, right, STRIDE,
+            IS_CAUSAL, HAS_GLOBAL,
+        )  # fmt: skip
+        pT = tl.where(keepT, tl.math.exp2(qkT * qk_scale - lse2[None, :]), 0.0)
+        dv = _dot(_to_dtype(pT, do.dtype, INTERPRET), do, dv, INTERPRET)
+        dsT = pT * (dpT - delta[None, :])
+        dk = _dot(_to_dtype(dsT, q.dtype, INTERPRET), q, dk, INTERPRET)
+    dk = dk * softmax_scale
+    dk_base = DK + off_b64 * stride_dkb + start64 * stride_dkn + off_hk * stride_dkh
+    dv_base = DV + off_b64 * stride_dvb + start64 * stride_dvn + off_hk * stride_dvh
+    tl.store(
+        dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
+        _to_dtype(dk, DK.dtype.element_ty, INTERPRET),
+        mask=kv_mask,
+    )
+    tl.store(
+        dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :],
+        _to_dtype(dv, DV.dtype.element_ty, INTERPRET),
+        mask=kv_mask,
+    )
+
+
+@triton.jit
+def _sparse_dq_kernel(
+    Q, K, V, DO, LSE2, DELTA, DQ, CU, INDPTR, INDICES, KINDS, GLOBAL,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
+    stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
+    seqlen, left, right, qk_scale, softmax_scale, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """dq of one query tile of one (sequence, head): over the key tiles of its layout row."""
+    tile = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
+    start_m = tile * BLOCK
+    if start_m >= seqlen:
+        return
+    off_b64 = off_b.to(tl.int64)
+    start64 = start.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    row_ok = offs_m < seqlen
+    io_mask = row_ok[:, None] & d_ok
+    q_base = Q + off_b64 * stride_qb + start64 * stride_qn + off_h * stride_qh
+    do_base = DO + off_b64 * stride_dob + start64 * stride_don + off_h * stride_doh
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=io_mask, other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=io_mask, other=0.0)
+    row = off_b64 * stride_lb + off_h * stride_lh + start + offs_m
+    lse2 = tl.load(LSE2 + row, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    k_base = K + off_b64 * stride_kb + start64 * stride_kn + (off_h // GROUP) * stride_kh
+    v_base = V + off_b64 * stride_vb + start64 * stride_vn + (off_h // GROUP) * stride_vh
+    dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    lo = tl.load(INDPTR + tile)
+    hi = tl.load(INDPTR + tile + 1)
+    for i in range(lo, hi):
+        start_n = tl.load(INDICES + i) * BLOCK
+        kind = tl.load(KINDS + i)
+        cols = start_n + tl.arange(0, BLOCK)
+        kv_mask = (cols[:, None] < seqlen) & d_ok
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), None, INTERPRET)
+        dp = _dot(do, tl.trans(v), None, INTERPRET)
+        keep = _keep(
+            offs_m[:, None], cols[None, :], kind, seqlen, GLOBAL, left, right, STRIDE,
+            IS_CAUSAL, HAS_GLOBAL,
+        )  # fmt: skip
+        p = tl.where(keep, tl.math.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(_to_dtype(ds, k.dtype, INTERPRET), k, dq, INTERPRET)
+    dq = dq * softmax_scale
+    dq_base = DQ + off_b64 * stride_dqb + start64 * stride_dqn + off_h * stride_dqh
+    tl.store(
+        dq_base + offs_m[:, None] * stride_dqn + offs_d[None, :],
+        _to_dtype(dq, DQ.dtype.element_ty, INTERPRET),
+        mask=io_mask,
+    )
+
+
+def _rule_args(pattern: Pattern, seqlen: int, device: torch.device) -> tuple:
+    """(left, right, STRIDE, IS_CAUSAL, global flags or None) of the kernels' token rule."""
+    left, right = pattern.window if pattern.window is not None else (-NO_LIMIT, -NO_LIMIT)
+    flags = None
+    if pattern.global_tokens:
+        flags = torch.zeros(seqlen, dtype=torch.int8, device=device)
+        flags[list(pattern.global_tokens)] = 1
+    return left, right, pattern.stride, pattern.causal, flags
+
+
+def _geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int, int, int]:
+    """(batch, heads, heads_kv, head_dim)."""
+    batch = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    return batch, q.shape[-2], k.shape[-2], q.shape[-1]
+
+
+def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
+    batch, heads, heads_kv, head_dim = _geometry(q, k, cu_seqlens)
+    varlen = cu_seqlens is not None
+    out = torch.zeros_like(q)
+    lse_shape = (heads, q.shape[0]) if varlen else (batch, heads, q.shape[1])
+    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return out, lse
+    left, right, stride, causal, flags = _rule_args(pattern, seqlen, q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    launch(
+        _sparse_fwd_kernel, (layout.tiles, batch * heads), q.device,
+        q, k, v, out, lse, cu_seqlens, layout.indptr, layout.indices, layout.kinds,
+        flags if flags is not None else layout.kinds,
+        *_layout(q), *_layout(k), *_layout(v), *_layout(out), *stride_lse,
+        seqlen, left, right, scale * LOG2E, heads,
+        GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
+        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=flags is not None, IS_VARLEN=varlen,
+        INTERPRET=interpreter_enabled(), num_warps=4,
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scale):
+    batch, heads, heads_kv, head_dim = _geometry(q, k, cu_seqlens)
+    varlen = cu_seqlens is not None
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if q.numel() == 0:
+        return dq, dk, dv
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    interpret = interpreter_enabled()
+    delta, lse2 = delta_and_lse2(out, dout, lse, cu_seqlens, seqlen, batch, heads)
+    stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    left, right, stride, causal, flags = _rule_args(pattern, seqlen, q.device)
+    flags = flags if flags is not None else layout.kinds
+    meta = dict(
+        GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
+        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=pattern.global_tokens != (),
+        IS_VARLEN=varlen, INTERPRET=interpret, num_warps=4,
+    )  # fmt: skip
+    launch(
+        _sparse_dkdv_kernel, (layout.tiles, batch * heads_kv), q.device,
+        q, k, v, dout, lse2, delta, dk, dv, cu_seqlens, layout.t_indptr, layout.t_indices,
+        layout.t_kinds, flags,
+        *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dk), *_layout(dv),
+        *stride_lse, seqlen, left, right, scale * LOG2E, scale, heads_kv, **meta,
+    )  # fmt: skip
+    launch(
+        _sparse_dq_kernel, (layout.tiles, batch * heads), q.device,
+        q, k, v, dout, lse2, delta, dq, cu_seqlens, layout.indptr, layout.indices,
+        layout.kinds, flags,
+        *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *stride_lse,
+        seqlen, left, right, scale * LOG2E, scale, heads, **meta,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
+        out, lse = _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.args = (pattern, layout, seqlen, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        pattern, layout, seqlen, scale = ctx.args
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """The plain path: (batch, seqlen, heads, dim) attention under a (seqlen, seqlen) mask; a
+    row that sees no key gives zeros."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(wide), k.to(wide)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v.to(wide)).to(q.dtype)
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Pattern,
+    *,
+    softmax_scale: float | None = None,
+    block: int | None = None,
+) -> Tensor:
+    """softmax(q k^T * scale, masked by `pattern`) v, exact, for q (batch, seqlen, heads, dim)
+    and k, v (batch, seqlen, heads_kv, dim) with heads % heads_kv == 0 (GQA). Self-attention:
+    q, k and v have one length. `block`: the tile size (default 64 on GPUs, 16 under the
+    interpreter); the pattern's layout is built once per shape and cached. Differentiable."""
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(
+            f"q (batch, seqlen, heads, dim) and k, v (batch, seqlen, heads_kv, dim) expected, "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    batch, seqlen, heads, dim = q.shape
+    if k.shape[:2] != (batch, seqlen) or k.shape[3] != dim or heads % k.shape[2]:
+        raise ValueError(
+            f"k and v must have q's batch, length and head dim, and heads_kv dividing its "
+            f"{heads} heads: got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
+    kernels = HAS_TRITON and use_triton_on(q.device)
+    if block is None:
+        block = INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK
+    pattern.check(seqlen, block)
+    if not kernels:
+        return _dense(q, k, v, dense_mask(pattern, seqlen, block).to(q.device), scale)
+    dilation = pattern.dilation
+    if dilation > 1:  # the interleaved subsequences, one after another in the batch
+
+        def split(t):
+            return t.unflatten(1, (seqlen // dilation, dilation)).transpose(1, 2).flatten(0, 1)
+
+        q, k, v = split(q), split(k), split(v)
+    layout = block_layout(pattern, seqlen, block, q.device)
+    out = _SparseAttention.apply(q, k, v, pattern, layout, None, layout.seqlen, scale)
+    if dilation > 1:
+        out = out.unflatten(0, (batch, dilation)).transpose(1, 2).flatten(1, 2)
+    return out
+
+
+def layout_of(pattern: Pattern, seqlen: int, block: int = GPU_BLOCK) -> BlockLayout:
+    """The layout `sparse_attention` walks for `pattern` at this length (the planner's input)."""
+    return block_layout(pattern, seqlen, block)

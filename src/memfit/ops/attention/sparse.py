@@ -1,0 +1,421 @@
+"""Sparse attention patterns and the block layouts a block-sparse FlashAttention walks.
+
+A pattern says, token by token, which keys each query sees. A layout is the same at the
+granularity of (BLOCK x BLOCK) tiles: for each query block the key blocks that hold any allowed
+pair (CSR: `indptr`, `indices`), and the transpose (for each key block the query blocks that
+see it, which the dk/dv pass walks). Each listed tile has a kind:
+
+    FULL    every pair of the tile is allowed (no mask is computed; only the sequence end)
+    RULE    the pattern's token rule decides pair by pair (the band's edges, global tokens,
+            strided columns inside a tile)
+    CAUSAL  a whole-tile addition (a BigBird random block, a user layout's block) that crosses
+            the causal diagonal: pairs with key <= query
+
+Work is proportional to the listed tiles, so a pattern's cost is its layout's count of tiles.
+
+Token rule (query i, key j, positions in the sequence), with `causal` requiring j <= i:
+
+    in the band      i - left <= j <= i + right           (local / sliding window)
+    global           i or j is one of `global_tokens`     (Longformer, BigBird: see and are seen
+                                                          by every token)
+    strided          (j + 1) % stride == 0                (Sparse Transformer's summary columns,
+                                                          beside its local band)
+    whole blocks     the tile is one of the pattern's random blocks (BigBird) or a user block
+
+Dilated (atrous) attention, where i sees j when i - j is a multiple of k (within a window of
+that many steps, if given), is not a rule here: it is local attention on the k interleaved
+subsequences i = r, r + k, r + 2k, ... (`Pattern.dilation`), run as k shorter sequences, so its
+work is 1/k of the undilated pattern's and not a dense masked band.
+
+Builders (`local`, `dilated`, `strided`, `longformer`, `bigbird`, `from_blocks`) document their
+parameters; `block_layout(pattern, seqlen, block)` builds a layout once per shape and caches it
+(keyed by the pattern, length, block size and device); `dense_mask` is the (seqlen x seqlen)
+reference for tests and small shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BlockLayout",
+    "Pattern",
+    "bigbird",
+    "block_layout",
+    "dense_mask",
+    "dilated",
+    "from_blocks",
+    "local",
+    "longformer",
+    "strided",
+]
+
+FULL, RULE, CAUSAL = 0, 1, 2
+NO_LIMIT = 1 << 30  # a window side no sequence reaches (memfit.ops.attention.tiles's)
+# query x key token pairs evaluated at once while classifying candidate tiles (bounds memory)
+_PAIRS_PER_BATCH = 1 << 24
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A sparse attention pattern (module docstring). Build one with the functions below.
+
+    window: (left, right) of the local band in tokens, or None for no band; causal: keys after
+    the query are never seen; stride: summary columns every `stride` tokens (0: none);
+    global_tokens: positions that see and are seen by every token; random_blocks: key blocks per
+    query block drawn at random (seeded) from those the rest leaves out; blocks: a user block
+    layout, a tuple of rows of 0/1 (query blocks x key blocks); block: the tile size that
+    random_blocks and blocks are given in (None: the layout's); dilation: see the module
+    docstring."""
+
+    causal: bool = True
+    window: tuple[int, int] | None = None
+    stride: int = 0
+    global_tokens: tuple[int, ...] = ()
+    random_blocks: int = 0
+    seed: int = 0
+    blocks: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    block: int | None = None
+    dilation: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window is not None:
+            left, right = self.window
+            if left < 0 or right < 0:
+                raise ValueError(f"window (left, right) must be >= 0, got {self.window}")
+            if self.causal and right:
+                raise ValueError(
+                    f"a causal pattern sees no key after the query: window right must be 0, "
+                    f"got {self.window}"
+                )
+        if self.stride < 0 or self.random_blocks < 0 or self.dilation < 1:
+            raise ValueError(
+                f"stride and random_blocks must be >= 0 and dilation >= 1, got stride "
+                f"{self.stride}, random_blocks {self.random_blocks}, dilation {self.dilation}"
+            )
+        if any(t < 0 for t in self.global_tokens):
+            raise ValueError(f"global token positions must be >= 0, got {self.global_tokens}")
+        if (self.random_blocks or self.blocks is not None) and self.block is None:
+            raise ValueError("random_blocks and blocks are given in tiles: say their size (block)")
+        if self.window is None and not (
+            self.stride or self.global_tokens or self.random_blocks or self.blocks is not None
+        ):
+            raise ValueError(
+                "a pattern needs a window, strided columns, global tokens or blocks (dense "
+                "attention is memfit.flash_attention)"
+            )
+
+    def check(self, seqlen: int, block: int) -> None:
+        """Refuse what does not fit a sequence of `seqlen` tokens in tiles of `block`, saying
+        which numbers disagree."""
+        span = seqlen // self.dilation  # (a dilated window counts steps of its subsequence)
+        if self.window is not None and NO_LIMIT not in self.window and max(self.window) >= span:
+            what = (
+                f"{span} steps of each dilated subsequence"
+                if self.dilation > 1
+                else (f"{seqlen} tokens")
+            )
+            raise ValueError(
+                f"window {self.window} reaches past the sequence ({what}): use dense attention "
+                "(memfit.flash_attention), or a smaller window"
+            )
+        if self.dilation > 1 and seqlen % self.dilation:
+            raise ValueError(
+                f"dilation {self.dilation} does not divide the sequence length {seqlen}: pad "
+                f"the sequence to a multiple of {self.dilation}"
+            )
+        late = [t for t in self.global_tokens if t >= seqlen]
+        if late:
+            raise ValueError(f"global tokens {late} lie past the sequence ({seqlen} tokens)")
+        if self.block is not None and self.block != block:
+            raise ValueError(
+                f"the pattern's blocks are {self.block}-token tiles, the layout's {block}"
+            )
+        if self.blocks is not None:
+            tiles = -(-seqlen // block)
+            shape = (len(self.blocks), len(self.blocks[0]) if self.blocks else 0)
+            if shape != (tiles, tiles):
+                raise ValueError(
+                    f"a block layout of {shape[0]} x {shape[1]} tiles does not match a sequence "
+                    f"of {seqlen} tokens in {block}-token tiles ({tiles} x {tiles})"
+                )
+
+
+def local(window: int, *, causal: bool = True) -> Pattern:
+    """Each token sees the `window` nearest keys: causal, itself and the window - 1 before it;
+    bidirectional, `window` on each side."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return Pattern(causal=causal, window=(window - 1, 0) if causal else (window, window))
+
+
+def dilated(dilation: int, *, window: int | None = None, causal: bool = True) -> Pattern:
+    """Atrous attention: token i sees j when |i - j| is a multiple of `dilation` (and at most
+    `window` such steps away, if given): local attention on the `dilation` interleaved
+    subsequences, each 1/dilation of the sequence (module docstring)."""
+    if dilation < 1:
+        raise ValueError(f"dilation must be >= 1, got {dilation}")
+    steps = NO_LIMIT if window is None else window
+    if steps < 1:
+        raise ValueError(f"window must be >= 1 step, got {window}")
+    band = (steps, 0) if causal else (steps, steps)
+    return Pattern(causal=causal, window=band, dilation=dilation)
+
+
+def strided(stride: int, *, window: int | None = None, causal: bool = True) -> Pattern:
+    """The Sparse Transformer's strided ("fixed") pattern: each token sees the `window`
+    (default `stride`) tokens before it and every summary column (positions stride - 1,
+    2 stride - 1, ...)."""
+    if stride < 2:
+        raise ValueError(f"stride must be >= 2, got {stride}")
+    width = stride if window is None else window
+    return Pattern(
+        causal=causal, window=(width - 1, 0) if causal else (width, width), stride=stride
+    )
+
+
+def longformer(
+    window: int, global_tokens: tuple[int, ...] | list[int], *, causal: bool = False
+) -> Pattern:
+    """Longformer: a sliding window (`window` on each side; causal, `window` before) plus
+    global tokens (e.g. a CLS token, a question) that see and are seen by every token."""
+    band = local(window, causal=causal).window
+    return Pattern(causal=causal, window=band, global_tokens=tuple(sorted(set(global_tokens))))
+
+
+def bigbird(
+    window: int,
+    global_tokens: tuple[int, ...] | list[int],
+    random_blocks: int,
+    *,
+    block: int,
+    seed: int = 0,
+    causal: bool = False,
+) -> Pattern:
+    """BigBird: Longformer's window and global tokens, plus `random_blocks` key blocks of
+    `block` tokens per query block, drawn with `seed` from the blocks the rest leaves out."""
+    band = local(window, causal=causal).window
+    return Pattern(
+        causal=causal, window=band, global_tokens=tuple(sorted(set(global_tokens))),
+        random_blocks=random_blocks, seed=seed, block=block,
+    )  # fmt: skip
+
+
+def from_blocks(blocks: Tensor | list, *, block: int, causal: bool = False) -> Pattern:
+    """A user layout: `blocks` (query blocks x key blocks) of 0/1, each 1 a whole tile of
+    `block` tokens seen (causal: its pairs with key <= query)."""
+    rows = torch.as_tensor(blocks).to(torch.bool)
+    if rows.ndim != 2:
+        raise ValueError(f"a block layout is (query blocks, key blocks), got {tuple(rows.shape)}")
+    if not rows.any():
+        raise ValueError("a block layout with no block sees nothing")
+    return Pattern(
+        causal=causal, blocks=tuple(tuple(int(x) for x in row) for row in rows.tolist()),
+        block=block,
+    )  # fmt: skip
+
+
+def _rule(pattern: Pattern, i: Tensor, j: Tensor, seqlen: int) -> Tensor:
+    """The token rule (module docstring) for broadcastable query and key positions."""
+    allowed = torch.zeros(
+        torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=i.device
+    )
+    if pattern.window is not None:
+        left, right = pattern.window
+        allowed |= (j >= i - left) & (j <= i + right)
+    if pattern.stride:
+        allowed |= (j + 1) % pattern.stride == 0
+    if pattern.global_tokens:
+        flags = torch.zeros(seqlen, dtype=torch.bool, device=i.device)
+        flags[list(pattern.global_tokens)] = True
+        allowed |= flags[i.clamp(max=seqlen - 1)] | flags[j.clamp(max=seqlen - 1)]
+    if pattern.causal:
+        allowed &= j <= i
+    return allowed & (i < seqlen) & (j < seqlen)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The tiles a block-sparse kernel visits (module docstring), for one sequence length.
+
+    indptr (tiles + 1,) int32 and indices, kinds (nnz,) int32: query block b visits key blocks
+    indices[indptr[b]:indptr[b + 1]] (ascending) with those kinds; t_indptr, t_indices, t_kinds:
+    the same by key block (the query blocks that see it). `tiles` blocks of `block` tokens."""
+
+    seqlen: int
+    block: int
+    tiles: int
+    indptr: Tensor
+    indices: Tensor
+    kinds: Tensor
+    t_indptr: Tensor
+    t_indices: Tensor
+    t_kinds: Tensor
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def density(self) -> float:
+        """The part of all (tiles x tiles) tiles that are visited."""
+        return self.nnz / self.tiles**2
+
+    def dense(self) -> Tensor:
+        """(tiles, tiles) int8: -1 where no tile is visited, else its kind."""
+        out = torch.full((self.tiles, self.tiles), -1, dtype=torch.int8)
+        rows = torch.repeat_interleave(
+            torch.arange(self.tiles), (self.indptr[1:] - self.indptr[:-1]).cpu().long()
+        )
+        out[rows, self.indices.cpu().long()] = self.kinds.cpu().to(torch.int8)
+        return out
+
+
+def _csr(rows: Tensor, cols: Tensor, kinds: Tensor, tiles: int) -> tuple[Tensor, Tensor, Tensor]:
+    order = torch.argsort(rows * tiles + cols)
+    rows, cols, kinds = rows[order], cols[order], kinds[order]
+    counts = torch.bincount(rows, minlength=tiles)
+    indptr = torch.zeros(tiles + 1, dtype=torch.int64, device=rows.device)
+    indptr[1:] = torch.cumsum(counts, 0)
+    return indptr.to(torch.int32), cols.to(torch.int32), kinds.to(torch.int32)
+
+
+def _candidates(pattern: Pattern, seqlen: int, block: int, tiles: int, device) -> Tensor:
+    """(n, 2) (query block, key block) pairs that may hold an allowed pair under the rule: the
+    band's tiles, the global tokens' rows and columns, the strided columns' tiles."""
+    q = torch.arange(tiles, device=device)
+    found = []
+    if pattern.window is not None:
+        left, right = pattern.window
+        first = ((q * block - left).clamp(min=0)) // block
+        last = ((q * block + block - 1 + right).clamp(max=seqlen - 1)) // block
+        width = int((last - first).max()) + 1
+        cols = first[:, None] + torch.arange(width, device=device)[None, :]
+        keep = cols <= last[:, None]
+        found.append(torch.stack([q[:, None].expand_as(cols)[keep], cols[keep]], 1))
+    columns = set()
+    if pattern.stride:
+        columns |= {c // block for c in range(pattern.stride - 1, seqlen, pattern.stride)}
+    columns |= {t // block for t in pattern.global_tokens}
+    if columns:
+        cols = torch.tensor(sorted(columns), device=device)
+        found.append(torch.cartesian_prod(q, cols))
+    if pattern.global_tokens:
+        rows = torch.tensor(sorted({t // block for t in pattern.global_tokens}), device=device)
+        found.append(torch.cartesian_prod(rows, q))
+    if not found:
+        return torch.zeros((0, 2), dtype=torch.long, device=device)
+    pairs = torch.unique(torch.cat(found), dim=0)
+    if pattern.causal:
+        pairs = pairs[pairs[:, 1] <= pairs[:, 0]]
+    return pairs
+
+
+def _classify(pattern: Pattern, pairs: Tensor, seqlen: int, block: int) -> tuple[Tensor, Tensor]:
+    """For each candidate tile: whether any pair is allowed, and whether every in-bounds pair
+    is, evaluated on the tile's tokens in batches."""
+    offsets = torch.arange(block, device=pairs.device)
+    any_allowed = [torch.zeros(0, dtype=torch.bool)]
+    all_allowed = [torch.zeros(0, dtype=torch.bool)]
+    step = max(1, _PAIRS_PER_BATCH // (block * block))
+    for start in range(0, len(pairs), step):
+        chunk = pairs[start : start + step]
+        i = (chunk[:, 0:1] * block + offsets[None, :])[:, :, None]  # (n, B, 1)
+        j = (chunk[:, 1:2] * block + offsets[None, :])[:, None, :]  # (n, 1, B)
+        allowed = _rule(pattern, i, j, seqlen)
+        inside = (i < seqlen) & (j < seqlen)
+        any_allowed.append(allowed.flatten(1).any(1))
+        all_allowed.append((allowed | ~inside).flatten(1).all(1))
+    return torch.cat(any_allowed), torch.cat(all_allowed)
+
+
+def _whole_blocks(pattern: Pattern, taken: Tensor, tiles: int) -> Tensor:
+    """(n, 2) tiles added whole: the user layout's, and `random_blocks` per query block drawn
+    with the pattern's seed from the tiles `taken` (tiles x tiles bool) leaves out."""
+    if pattern.blocks is not None:
+        return torch.tensor(pattern.blocks, dtype=torch.bool).nonzero()
+    generator = torch.Generator().manual_seed(pattern.seed)
+    chosen = []
+    for row in range(tiles):
+        free = (~taken[row]).nonzero().flatten()
+        if pattern.causal:
+            free = free[free <= row]
+        picks = free[torch.randperm(len(free), generator=generator)[: pattern.random_blocks]]
+        chosen += [(row, int(c)) for c in picks.sort().values]
+    return torch.tensor(chosen, dtype=torch.long).reshape(-1, 2)
+
+
+def block_layout(
+    pattern: Pattern, seqlen: int, block: int, device: torch.device | str = "cpu"
+) -> BlockLayout:
+    """The layout of `pattern` for sequences of `seqlen` tokens in `block`-token tiles, on
+    `device`; built once per (pattern, seqlen, block, device) and cached. For a dilated pattern
+    the layout is the one each interleaved subsequence (seqlen / dilation tokens) uses."""
+    pattern.check(seqlen, block)
+    return _block_layout(pattern, seqlen // pattern.dilation, block, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> BlockLayout:
+    tiles = -(-seqlen // block)
+    pairs = _candidates(pattern, seqlen, block, tiles, "cpu")
+    seen, whole = _classify(pattern, pairs, seqlen, block)
+    pairs, kinds = pairs[seen], torch.where(whole[seen], FULL, RULE)
+    if pattern.random_blocks or pattern.blocks is not None:
+        taken = torch.zeros((tiles, tiles), dtype=torch.bool)
+        taken[pairs[:, 0], pairs[:, 1]] = True
+        extra = _whole_blocks(pattern, taken, tiles)
+        if pattern.causal:
+            extra = extra[extra[:, 1] <= extra[:, 0]]
+        # a whole tile replaces what the rule listed there; on the diagonal (causal) it is
+        # masked by causality alone
+        extra_kinds = torch.full((len(extra),), FULL, dtype=torch.long)
+        if pattern.causal:
+            diagonal = (extra[:, 1] + 1) * block - 1 > extra[:, 0] * block
+            extra_kinds[diagonal] = CAUSAL
+        replaced = torch.zeros((tiles, tiles), dtype=torch.bool)
+        replaced[extra[:, 0], extra[:, 1]] = True
+        keep = ~replaced[pairs[:, 0], pairs[:, 1]]
+        pairs = torch.cat([pairs[keep], extra])
+        kinds = torch.cat([kinds[keep], extra_kinds])
+    if not len(pairs):
+        raise ValueError(f"{pattern} lets no token see any key in a sequence of {seqlen}")
+    indptr, indices, kind = _csr(pairs[:, 0], pairs[:, 1], kinds, tiles)
+    t_indptr, t_indices, t_kind = _csr(pairs[:, 1], pairs[:, 0], kinds, tiles)
+    move = functools.partial(Tensor.to, device=device)
+    return BlockLayout(
+        seqlen=seqlen, block=block, tiles=tiles, indptr=move(indptr), indices=move(indices),
+        kinds=move(kind), t_indptr=move(t_indptr), t_indices=move(t_indices),
+        t_kinds=move(t_kind),
+    )  # fmt: skip
+
+
+def dense_mask(pattern: Pattern, seqlen: int, block: int | None = None) -> Tensor:
+    """(seqlen, seqlen) bool: which keys each query sees, token by token (tests, small shapes).
+    `block`: the tile size of random or user blocks (default the pattern's)."""
+    block = block or pattern.block or 64
+    pattern.check(seqlen, block)
+    if pattern.dilation > 1:  # i sees j within its own subsequence, at the subsequence's rule
+        k = pattern.dilation
+        inner = dense_mask(
+            Pattern(causal=pattern.causal, window=pattern.window), seqlen // k, block
+        )
+        position = torch.arange(seqlen)
+        same = position[:, None] % k == position[None, :] % k
+        return same & inner[position[:, None] // k, position[None, :] // k]
+    i = torch.arange(seqlen)[:, None]
+    j = torch.arange(seqlen)[None, :]
+    allowed = _rule(pattern, i, j, seqlen)
+    if pattern.random_blocks or pattern.blocks is not None:
+        layout = block_layout(pattern, seqlen, block)
+        tiles = layout.dense()
+        whole = (tiles == FULL) | (tiles == CAUSAL)
+        token_whole = whole[i // block, j // block]
+        if pattern.causal:
+            token_whole &= j <= i
+        allowed |= token_whole
+    return allowed

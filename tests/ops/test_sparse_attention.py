@@ -1,0 +1,107 @@
+"""Block-sparse FlashAttention (memfit.ops.attention.block_sparse) under Triton's interpreter
+against a dense masked reference: every pattern, odd lengths, GQA, a padded head dim, outputs
+and dq, dk, dv within 2x of PyTorch's own error in the same precision against fp64; a row that
+sees only itself; a row that sees nothing (zero output, no NaN); bitwise reruns."""
+
+import pytest
+import torch
+
+from memfit.ops._triton import HAS_TRITON, triton_on_cpu
+from memfit.ops.attention import sparse
+from memfit.ops.attention.block_sparse import _dense, sparse_attention
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+BLOCK = 16
+PATTERNS = {
+    "local": (sparse.local(20), 77),
+    "local bidirectional": (sparse.local(9, causal=False), 77),
+    "strided": (sparse.strided(12), 77),
+    "longformer": (sparse.longformer(8, [0, 41]), 77),
+    "bigbird causal": (sparse.bigbird(8, [0, 30], 1, block=BLOCK, seed=2, causal=True), 77),
+    "dilated": (sparse.dilated(4, window=6), 80),
+    "only itself": (sparse.local(1), 40),
+}
+
+
+def inputs(dtype, seqlen, heads=4, heads_kv=2, dim=24, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen, heads, dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, seqlen, heads_kv, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, seqlen, heads_kv, dim, generator=g, dtype=torch.float64)
+    grad = torch.randn(batch, seqlen, heads, dim, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)], grad.to(dtype)
+
+
+def run(fn, tensors, grad):
+    out = fn(*tensors)
+    return [out, *torch.autograd.grad(out, tensors, grad)]
+
+
+def max_error(got, truth):
+    return (got.double() - truth).abs().max().item()
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_dense_masked_reference(name, dtype):
+    pattern, seqlen = PATTERNS[name]
+    mask = sparse.dense_mask(pattern, seqlen, BLOCK)
+    scale = 24**-0.5
+    low, grad = inputs(dtype, seqlen)
+    exact = [t.detach().double().requires_grad_() for t in low]  # (the same rounded values)
+    truth = run(lambda q, k, v: _dense(q, k, v, mask, scale), exact, grad.double())
+    pytorchs = run(lambda q, k, v: _dense_same_precision(q, k, v, mask, scale), low, grad)
+    with triton_on_cpu():
+        ours = run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), low, grad)
+    for what, mine, theirs, exact in zip(
+        ("out", "dq", "dk", "dv"), ours, pytorchs, truth, strict=True
+    ):
+        assert mine.dtype == dtype and torch.isfinite(mine).all(), what
+        # (a floor for gradients that are exactly 0, as dk of a row that sees only itself, where
+        # delta = rowsum(dout * out) rounds differently than the product it cancels)
+        floor = 1e-5 if dtype == torch.float32 else 1e-3
+        assert max_error(mine, exact) <= 2 * max_error(theirs, exact) + floor, what
+
+
+def _dense_same_precision(q, k, v, mask, scale):
+    """PyTorch's attention in the inputs' precision (the error to stay within 2x of)."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores.float(), -1).to(q.dtype), v)
+
+
+def test_a_row_that_sees_nothing_gets_zeros_and_no_gradient():
+    blocks = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    pattern = sparse.from_blocks(blocks, block=BLOCK)
+    (q, k, v), grad = inputs(torch.float32, 40)
+    with triton_on_cpu():
+        out = sparse_attention(q, k, v, pattern, block=BLOCK)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+    assert not out[:, 16:32].any() and not dq[:, 16:32].any()
+    reference = _dense(q, k, v, sparse.dense_mask(pattern, 40, BLOCK), 24**-0.5)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_reruns_are_bitwise_equal():
+    pattern = sparse.bigbird(8, [0, 30], 1, block=BLOCK, seed=2)
+    tensors, grad = inputs(torch.bfloat16, 77)
+    with triton_on_cpu():
+        first = run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), tensors, grad)
+        second = run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), tensors, grad)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_shapes_say_what_is_wrong():
+    (q, k, v), _ = inputs(torch.float32, 32)
+    with pytest.raises(ValueError, match="dilation 3 does not divide the sequence length 32"):
+        sparse_attention(q, k, v, sparse.dilated(3), block=BLOCK)
+    with pytest.raises(ValueError, match="heads_kv dividing its 4 heads"):
+        sparse_attention(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1),
+                         sparse.local(4), block=BLOCK)  # fmt: skip
+    with pytest.raises(ValueError, match=r"window \(39, 0\) reaches past the sequence"):
+        sparse_attention(q, k, v, sparse.local(40), block=BLOCK)
