@@ -47,7 +47,12 @@ def recommend(
 def __getattr__(name: str) -> Any:
     # memfit.flash_attention / memfit.flash_attention_varlen, imported on first use (triton is
     # slow to import and `memfit plan` never needs it)
-    if name in ("flash_attention", "flash_attention_varlen", "sparse_attention"):
+    if name in (
+        "flash_attention",
+        "flash_attention_varlen",
+        "sparse_attention",
+        "sparse_attention_varlen",
+    ):
         from memfit.ops import attention as module
 
         return getattr(module, name)

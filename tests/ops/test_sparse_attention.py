@@ -8,7 +8,7 @@ import torch
 
 from memfit.ops._triton import HAS_TRITON, triton_on_cpu
 from memfit.ops.attention import sparse
-from memfit.ops.attention.block_sparse import _dense, sparse_attention
+from memfit.ops.attention.block_sparse import _dense, sparse_attention, sparse_attention_varlen
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 BLOCK = 16
@@ -105,3 +105,27 @@ def test_bad_shapes_say_what_is_wrong():
                          sparse.local(4), block=BLOCK)  # fmt: skip
     with pytest.raises(ValueError, match=r"window \(39, 0\) reaches past the sequence"):
         sparse_attention(q, k, v, sparse.local(40), block=BLOCK)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [sparse.longformer(8, [0, 20]), sparse.bigbird(8, [3], 1, block=BLOCK, seed=5, causal=True)],
+    ids=["longformer", "bigbird causal"],
+)
+def test_packed_sequences_each_walk_the_layout_from_their_start(pattern):
+    """Three packed sequences (37, 64 and 21 tokens): each equals its own batched run, and
+    nothing crosses a boundary (the gradients of one sequence ignore the others)."""
+    lengths = [37, 64, 21]
+    cu = torch.tensor([0, 37, 101, 122], dtype=torch.int32)
+    (q, k, v), grad = inputs(torch.float32, 122, batch=1)
+    packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
+    with triton_on_cpu():
+        ours = run(lambda q, k, v: sparse_attention_varlen(q, k, v, cu, pattern, block=BLOCK),
+                   packed, grad[0])  # fmt: skip
+    mask = sparse.dense_mask(pattern, 64, BLOCK)
+    for (a, b), n in zip(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True), lengths, strict=True):
+        piece = [t[a:b][None].detach().double().requires_grad_() for t in packed]
+        out = _dense(*piece, mask[:n, :n], 24**-0.5)
+        want = [out, *torch.autograd.grad(out, piece, grad[0, a:b][None].double())]
+        for got, expected in zip(ours, want, strict=True):
+            torch.testing.assert_close(got[a:b].double(), expected[0], rtol=1e-4, atol=1e-5)

@@ -49,7 +49,7 @@ patterns and their block layouts) and `block_sparse.py` (`sparse_attention`, the
 kernels), reusing the tile helpers.
 """
 
-from memfit.ops.attention.block_sparse import sparse_attention
+from memfit.ops.attention.block_sparse import sparse_attention, sparse_attention_varlen
 from memfit.ops.attention.interface import (
     SUPPORTED_HEAD_DIMS,
     flash_attention,
@@ -63,4 +63,5 @@ __all__ = [
     "flash_attention_varlen",
     "head_dim_supported",
     "sparse_attention",
+    "sparse_attention_varlen",
 ]

@@ -35,7 +35,7 @@ from memfit.ops.attention.launch import LOG2E, _layout, delta_and_lse2
 from memfit.ops.attention.sparse import NO_LIMIT, BlockLayout, Pattern, block_layout, dense_mask
 from memfit.ops.attention.tiles import _dot, _sequence, _to_dtype
 
-__all__ = ["layout_of", "sparse_attention"]
+__all__ = ["layout_of", "sparse_attention", "sparse_attention_varlen"]
 
 # tile size on GPUs (square: the layout's) and under the interpreter
 GPU_BLOCK = 64
@@ -430,6 +430,64 @@ def sparse_attention(
     if dilation > 1:
         out = out.unflatten(0, (batch, dilation)).transpose(1, 2).flatten(1, 2)
     return out
+
+
+def sparse_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    pattern: Pattern,
+    max_seqlen: int | None = None,
+    *,
+    softmax_scale: float | None = None,
+    block: int | None = None,
+) -> Tensor:
+    """`sparse_attention` over packed sequences of different lengths (no token sees another
+    sequence's): q (total, heads, dim), k, v (total, heads_kv, dim); sequence b is rows
+    cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1 entries from 0). Every sequence walks the
+    layout of the longest (`max_seqlen`, from cu_seqlens when not given) from its own start:
+    positions, global tokens and random blocks are per sequence. Dilated patterns take batched
+    sequences (`sparse_attention`)."""
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"packed q (total, heads, dim) and k, v (total, heads_kv, dim) expected, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"k and v must have q's rows and head dim, and heads_kv dividing its {q.shape[1]} "
+            f"heads: got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if cu_seqlens.ndim != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            "cu_seqlens must be a 1-D int32 tensor of cumulative lengths with batch + 1 >= 2 "
+            f"entries, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}"
+        )
+    if pattern.dilation > 1:
+        raise ValueError(
+            "a dilated pattern takes batched sequences (sparse_attention), each a multiple of "
+            f"the dilation {pattern.dilation} long"
+        )
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if cu_seqlens[0] != 0 or min(lengths) < 0 or cu_seqlens[-1] != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens must start at 0, grow, and end at the {q.shape[0]} packed rows"
+        )
+    max_seqlen = max(lengths) if max_seqlen is None else max_seqlen
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    if block is None:
+        block = INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK
+    pattern.check(max_seqlen, block)
+    if not (HAS_TRITON and use_triton_on(q.device)):
+        mask = dense_mask(pattern, max_seqlen, block).to(q.device)
+        pieces = [
+            _dense(q[None, a:b], k[None, a:b], v[None, a:b], mask[: b - a, : b - a], scale)[0]
+            for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)
+        ]
+        return torch.cat(pieces)
+    layout = block_layout(pattern, max_seqlen, block, q.device)
+    return _SparseAttention.apply(q, k, v, pattern, layout, cu_seqlens, max_seqlen, scale)
 
 
 def layout_of(pattern: Pattern, seqlen: int, block: int = GPU_BLOCK) -> BlockLayout:
