@@ -117,6 +117,23 @@ class ModelSection(_Section):
     attention: Literal["auto", "flash", "sdpa", "eager"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each transformer block; auto: on for CUDA without activation checkpointing."""
+    attention_pattern: str = ""
+    """A sparse attention pattern (memfit.ops.attention.sparse.parse: "local:512",
+    "longformer:256:globals=0", "bigbird:128:globals=0:random=2", "strided:256", "dilated:4")
+    for the layers `pattern_layers` names; "" keeps the model's own attention."""
+    pattern_layers: str = "all"
+    """all, even, odd (alternating with dense layers) or comma-separated layer indices."""
+
+    def validate(self) -> None:
+        if self.attention_pattern:
+            from memfit.ops.attention.sparse import parse
+
+            parse(self.attention_pattern)
+        elif self.pattern_layers != "all":
+            raise ValueError(
+                f"model.pattern_layers = {self.pattern_layers!r} says where the sparse "
+                "attention pattern applies: set model.attention_pattern too"
+            )
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,7 @@ from memfit.ops.attention import (
     flash_attention_varlen,
     head_dim_supported,
 )
+from memfit.ops.attention.block_sparse import sparse_attention
 from memfit.ops.attention.paged import paged_attention
 from memfit.ops.cross_entropy import linear_cross_entropy
 from memfit.ops.distill import linear_distillation_loss
@@ -43,6 +44,7 @@ __all__ = [
     "resolve_attention",
     "rms_norm",
     "rotary_cos_sin",
+    "sparse_attention",
     "swiglu",
 ]
 

@@ -162,3 +162,31 @@ def test_bad_patterns_are_refused():
         sparse.Pattern()
     with pytest.raises(ValueError, match="say their size"):
         sparse.Pattern(window=(4, 0), random_blocks=2)
+
+
+def test_keys_per_query_measure_a_patterns_work():
+    """The planner's measure: about seqlen / 2 for a window as long as the sequence (dense
+    causal), window + a tile for a local band, 1/k of that for dilated(k)."""
+    n = 4096
+    dense = sparse.keys_per_query(sparse.local(n), n)
+    assert dense == pytest.approx(n / 2, rel=64 / n)
+    assert 512 <= sparse.keys_per_query(sparse.local(512), n) <= 512 + 2 * 64
+    assert sparse.keys_per_query(sparse.dilated(4), n) == pytest.approx(dense / 4, rel=0.05)
+    extra = sparse.keys_per_query(sparse.bigbird(512, [0], 2, block=64), n)
+    assert extra > sparse.keys_per_query(sparse.longformer(512, [0]), n)
+
+
+def test_the_planner_counts_a_patterns_attention():
+    import dataclasses
+
+    from memfit.models import PRESETS
+
+    model = PRESETS["llama-1b"]
+    layers, heads, dim = model.num_layers, model.num_heads, model.head_dim
+    local = dataclasses.replace(model, attention_pattern="local:512")
+    keys = sparse.keys_per_query(sparse.local(512), 8192)
+    assert local.spec.attention_forward_flops(8192) == 4 * layers * heads * dim * keys
+    alternating = dataclasses.replace(local, pattern_layers="even")
+    dense = model.spec.attention_forward_flops(8192)
+    half = alternating.spec.attention_forward_flops(8192)
+    assert half == pytest.approx((dense + local.spec.attention_forward_flops(8192)) / 2)

@@ -104,6 +104,15 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--attention", choices=["auto", "flash", "sdpa", "eager"])
     p.add_argument(
+        "--attention-pattern",
+        metavar="SPEC",
+        help="sparse attention: local:W, strided:S, dilated:K[:window=W], longformer:W:globals=0, "
+        "bigbird:W:globals=0:random=R (on the layers of --pattern-layers)",
+    )
+    p.add_argument(
+        "--pattern-layers", metavar="WHICH", help="all (default), even, odd or indices 0,2,5"
+    )
+    p.add_argument(
         "--optimizer",
         help="a registered optimizer: adamw (default), adamw8bit, adafactor, sm3, sgd",
     )
@@ -307,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 _TRAIN_FLAGS = {
     "model": ("model", "name"),
     "attention": ("model", "attention"),
+    "attention_pattern": ("model", "attention_pattern"),
+    "pattern_layers": ("model", "pattern_layers"),
     "compile": ("model", "compile"),
     "data": ("data", "source"),
     "tokenizer": ("data", "tokenizer"),

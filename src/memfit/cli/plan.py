@@ -12,6 +12,7 @@ for.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -43,7 +44,8 @@ TRAIN_SEQ_LEN = 2048
 # the strategy flags' values when neither they nor a --config give one
 PLAN_DEFAULTS = {
     "model": "llama-1b", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
-    "checkpointing": "none", "checkpoint_blocks": None, "optimizer": "adamw", "master_weights": "fp32", "zero": 0,
+    "checkpointing": "none", "checkpoint_blocks": None, "optimizer": "adamw",
+    "attention_pattern": "", "pattern_layers": "all", "master_weights": "fp32", "zero": 0,
     "offload": "none", "offload_activations": False, "lora_rank": 0,
     "lora_targets": "all-linear", "lora_dropout": 0.0, "quantize_base": "none", "teacher": None,
     "teacher_quantize": "none", "distill_kind": "kl", "distill_temperature": 1.0,
@@ -54,6 +56,8 @@ CONFIG_KEYS = {
     "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
     "precision": ("train", "precision"), "checkpointing": ("train", "checkpointing"),
     "checkpoint_blocks": ("train", "checkpoint_blocks"),
+    "attention_pattern": ("model", "attention_pattern"),
+    "pattern_layers": ("model", "pattern_layers"),
     "optimizer": ("train", "optimizer"), "master_weights": ("train", "master_weights"),
     "offload_activations": ("train", "offload_activations"),
     "zero": ("distributed", "zero"), "offload": ("distributed", "offload"),
@@ -278,6 +282,10 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.serve:
         return run_plan_serve(args, console)
     model = load_model_config(args.model)
+    if args.attention_pattern:  # (the run's sparse attention: its attention FLOPs)
+        model = dataclasses.replace(
+            model, attention_pattern=args.attention_pattern, pattern_layers=args.pattern_layers
+        )
     if args.seq_len is None:
         args.seq_len = min(TRAIN_SEQ_LEN, model.max_seq_len)
     check_seq_len(model, args.seq_len)  # the engine refuses the same lengths
@@ -529,6 +537,12 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     )
     p.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1)")
     p.add_argument("--checkpointing", choices=["none", "full", "selective"], help="default none")
+    p.add_argument(
+        "--attention-pattern",
+        metavar="SPEC",
+        help="a sparse attention pattern (as memfit train's): its attention FLOPs in the time",
+    )
+    p.add_argument("--pattern-layers", metavar="WHICH", help="all (default), even, odd, 0,2,5")
     p.add_argument(
         "--checkpoint-blocks",
         type=int,

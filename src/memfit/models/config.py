@@ -71,6 +71,13 @@ class ModelConfig:
     qkv_bias: bool = False
     sliding_window: int | None = None
     init_std: float = 0.02
+    attention_pattern: str | None = None
+    """A sparse attention pattern for the layers `pattern_layers` names (memfit.ops.attention.
+    sparse.parse: "local:512", "longformer:256:globals=0", "bigbird:128:globals=0:random=2",
+    ...); None: dense causal attention."""
+    pattern_layers: str = "all"
+    """The layers `attention_pattern` applies to: all, even, odd (alternating with dense
+    layers, as GPT-3 alternates), or a comma-separated list of layer indices."""
 
     def __post_init__(self) -> None:
         # every field is checked for its type too: a config.json may hold "64" or 64.5
@@ -92,6 +99,14 @@ class ModelConfig:
                 f"model {self.name!r}: sliding_window must be a positive integer or None, got "
                 f"{self.sliding_window!r}"
             )
+        if self.attention_pattern is not None:
+            from memfit.ops.attention.sparse import parse
+
+            try:
+                parse(self.attention_pattern)
+                self.sparse_layer_indices()
+            except ValueError as error:
+                raise ValueError(f"model {self.name!r}: {error}") from None
         for key in ("rope_theta", "rms_norm_eps", "init_std"):
             value = getattr(self, key)
             if not _is_number(value) or not 0 < value < math.inf:
@@ -135,6 +150,26 @@ class ModelConfig:
                     f"model {self.name!r}: llama3 rope_scaling needs a number for each of "
                     f"{', '.join(needed)}; got {bad}"
                 )
+
+    def sparse_layer_indices(self) -> tuple[int, ...]:
+        """The layers whose attention follows `attention_pattern` (none without one)."""
+        if self.attention_pattern is None:
+            return ()
+        which = self.pattern_layers.strip()
+        if which == "all":
+            return tuple(range(self.num_layers))
+        if which in ("even", "odd"):
+            return tuple(range(which == "odd", self.num_layers, 2))
+        try:
+            layers = tuple(sorted({int(i) for i in which.split(",") if i.strip()}))
+        except ValueError:
+            layers = ()
+        if not layers or not all(0 <= i < self.num_layers for i in layers):
+            raise ValueError(
+                f"pattern_layers {self.pattern_layers!r}: all, even, odd or layer indices in "
+                f"[0, {self.num_layers})"
+            )
+        return layers
 
     @functools.cached_property
     def spec(self):

@@ -96,9 +96,17 @@ class Attention(nn.Module):
         backend: str = "sdpa",
         bias: bool = False,
         window: int | None = None,
+        pattern: str | None = None,
     ) -> None:
+        """pattern: a sparse attention pattern's text form (memfit.ops.attention.sparse.parse),
+        run by memfit.sparse_attention in place of dense causal attention."""
         super().__init__()
         self.layer_index, self.backend, self.window = layer_index, backend, window
+        self.pattern = None
+        if pattern is not None:
+            from memfit.ops.attention.sparse import parse
+
+            self.pattern = parse(pattern)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv = Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
@@ -116,6 +124,12 @@ class Attention(nn.Module):
         (computed once per forward by the model); kv_cache: a cache with
         `update(layer, metadata, k, v) -> (keys, values)` (memfit.inference: KVCache, PagedKVCache)."""
         batch, seqlen, _ = x.shape
+        cached = kv_cache is not None or (metadata is not None and metadata.key_mask is not None)
+        if self.pattern is not None and cached:
+            raise ValueError(
+                f"layer {self.layer_index} attends with the sparse pattern {self.pattern}: "
+                "generating from such a model (a KV cache) is not supported yet"
+            )
         qkv = self.qkv(x)  # (B, T, (nh + 2 * nkv) * hs)
         if metadata is not None and metadata.block_table is not None:
             # a paged cache: rotation and cache write in one kernel, then the paged kernels
@@ -140,8 +154,11 @@ class Attention(nn.Module):
             cached_k, cached_v = kv_cache.update(self.layer_index, metadata, k, v)
             if metadata.key_mask is not None:
                 k, v, read = cached_k, cached_v, metadata  # decode, chunked prefill
-        y = MF.attention(
-            q, k, v, causal=True, window=self.window, backend=self.backend,
-            mask=read.key_mask if read is not None else None, metadata=read,
-        )  # fmt: skip
+        if self.pattern is not None:
+            y = MF.sparse_attention(q, k, v, self.pattern)
+        else:
+            y = MF.attention(
+                q, k, v, causal=True, window=self.window, backend=self.backend,
+                mask=read.key_mask if read is not None else None, metadata=read,
+            )  # fmt: skip
         return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))

@@ -143,6 +143,19 @@ class Trainer:
         torch.manual_seed(train.seed)
 
         self.model_config = load_model_config(config.model.name)
+        if config.model.attention_pattern:  # (the run's choice, kept in its checkpoints' meta)
+            from memfit.ops.attention.sparse import SPEC_BLOCK, parse
+
+            try:
+                self.model_config = dataclasses.replace(
+                    self.model_config,
+                    attention_pattern=config.model.attention_pattern,
+                    pattern_layers=config.model.pattern_layers,
+                )
+                pattern = parse(config.model.attention_pattern)
+                pattern.check(config.data.seq_len, pattern.block or SPEC_BLOCK)
+            except ValueError as error:
+                raise ConfigError(f"model.attention_pattern: {error}") from None
         self.pretrained = pretrained_directory(config.model.name)
         if self.pretrained is not None:  # recorded absolute: export and adapters find it later
             model = dataclasses.replace(config.model, name=str(self.pretrained))

@@ -40,6 +40,9 @@ class Block(nn.Module):
             backend=backend,
             bias=config.qkv_bias,
             window=config.sliding_window,
+            pattern=config.attention_pattern
+            if layer_index in config.sparse_layer_indices()
+            else None,
         )
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)

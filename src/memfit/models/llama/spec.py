@@ -47,9 +47,18 @@ class LlamaSpec:
 
     def attention_forward_flops(self, seq_len: int, *, causal: bool = True) -> float:
         """Per token, the score and value products: 4 * layers * heads * head_dim * seq_len
-        (2 FLOPs per multiply-add, two products), halved when causal."""
+        (2 FLOPs per multiply-add, two products), halved when causal. A layer with a sparse
+        pattern (config.attention_pattern) multiplies the keys its block layout lists instead
+        (memfit.ops.attention.sparse.keys_per_query)."""
         m = self.config
-        return 4 * m.num_layers * m.num_heads * m.head_dim * seq_len * (0.5 if causal else 1.0)
+        dense = 4 * m.num_heads * m.head_dim * seq_len * (0.5 if causal else 1.0)
+        sparse = len(m.sparse_layer_indices())
+        if not sparse:
+            return m.num_layers * dense
+        from memfit.ops.attention.sparse import keys_per_query, parse
+
+        keys = keys_per_query(parse(m.attention_pattern), seq_len)
+        return (m.num_layers - sparse) * dense + sparse * 4 * m.num_heads * m.head_dim * keys
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
         """Training FLOPs per token: 6 per active parameter (forward 2, backward 4) plus

@@ -45,6 +45,7 @@ __all__ = [
     "BlockLayout",
     "Pattern",
     "bigbird",
+    "parse",
     "block_layout",
     "dense_mask",
     "dilated",
@@ -217,6 +218,55 @@ def from_blocks(blocks: Tensor | list, *, block: int, causal: bool = False) -> P
         causal=causal, blocks=tuple(tuple(int(x) for x in row) for row in rows.tolist()),
         block=block,
     )  # fmt: skip
+
+
+# tile size of a spec's random blocks unless it says (memfit.ops.attention.block_sparse's GPU tile)
+SPEC_BLOCK = 64
+SPEC_HELP = (
+    "local:W, strided:S[:window=W], dilated:K[:window=W], longformer:W:globals=0,17, "
+    "bigbird:W:globals=0:random=R[:seed=N][:block=B], each causal unless ':bidirectional'"
+)
+
+
+def parse(spec: str) -> Pattern:
+    """A pattern from its text form (a model config's `attention_pattern`, TOML): SPEC_HELP,
+    e.g. "longformer:256:globals=0" or "bigbird:128:globals=0:random=2"."""
+    kind, *rest = [part.strip() for part in spec.split(":")]
+    options: dict[str, str] = {}
+    numbers: list[str] = []
+    for part in rest:
+        if "=" in part:
+            key, _, value = part.partition("=")
+            options[key.strip()] = value.strip()
+        elif part == "bidirectional":
+            options["causal"] = "false"
+        else:
+            numbers.append(part)
+    known = {"window", "globals", "random", "seed", "block", "causal"}
+    try:
+        if not numbers or len(numbers) > 1 or set(options) - known:
+            raise ValueError
+        size = int(numbers[0])
+        causal = options.pop("causal", "true") != "false"
+        window = int(options["window"]) if "window" in options else None
+        tokens = [int(t) for t in options.get("globals", "").split(",") if t.strip()]
+        if kind == "local" and not options:
+            return local(size, causal=causal)
+        if kind == "strided" and set(options) <= {"window"}:
+            return strided(size, window=window, causal=causal)
+        if kind == "dilated" and set(options) <= {"window"}:
+            return dilated(size, window=window, causal=causal)
+        if kind == "longformer" and set(options) <= {"globals"}:
+            return longformer(size, tokens, causal=causal)
+        if kind == "bigbird" and set(options) <= {"globals", "random", "seed", "block"}:
+            return bigbird(
+                size, tokens, int(options.get("random", "1")), causal=causal,
+                seed=int(options.get("seed", "0")), block=int(options.get("block", SPEC_BLOCK)),
+            )  # fmt: skip
+    except (ValueError, KeyError) as error:
+        if str(error) and not isinstance(error, KeyError) and "invalid literal" not in str(error):
+            raise ValueError(f"attention pattern {spec!r}: {error}") from None
+    raise ValueError(f"attention pattern {spec!r} is not one of: {SPEC_HELP}")
 
 
 def _rule(pattern: Pattern, i: Tensor, j: Tensor, seqlen: int) -> Tensor:
@@ -392,6 +442,14 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
         kinds=move(kind), t_indptr=move(t_indptr), t_indices=move(t_indices),
         t_kinds=move(t_kind),
     )  # fmt: skip
+
+
+def keys_per_query(pattern: Pattern, seqlen: int, block: int = SPEC_BLOCK) -> float:
+    """The keys a block-sparse kernel multiplies per query, on average: the layout's tiles x
+    block^2 / seqlen (over all `dilation` subsequences) -- the planner's measure of a pattern's
+    attention FLOPs, which a dense causal layer spends on about seqlen / 2."""
+    layout = block_layout(pattern, seqlen, pattern.block or block)
+    return pattern.dilation * layout.nnz * layout.block**2 / seqlen
 
 
 def dense_mask(pattern: Pattern, seqlen: int, block: int | None = None) -> Tensor:

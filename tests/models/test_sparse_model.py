@@ -1,0 +1,81 @@
+"""A model whose layers attend with a sparse pattern (ModelConfig.attention_pattern): a local
+pattern on every layer equals Mistral-style sliding-window attention, on the kernels (Triton's
+interpreter) and on the plain path; the pattern applies to the layers named; `memfit train` takes
+it from flags and TOML, records it in the checkpoint and refuses a bad one; generation from such
+a model says it is not supported yet."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from memfit.cli.main import main
+from memfit.models import PRESETS, build_model
+from memfit.ops._triton import HAS_TRITON, triton_on_cpu
+
+
+def model_of(config):
+    return build_model(config, seed=0, attention="sdpa")
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="triton"))],
+)
+def test_a_local_pattern_is_sliding_window_attention(kernels):
+    base = dataclasses.replace(PRESETS["tiny"], max_seq_len=64)
+    window = dataclasses.replace(base, sliding_window=12)
+    sparse = dataclasses.replace(base, attention_pattern="local:12")
+    tokens = torch.randint(0, base.vocab_size, (2, 50), generator=torch.Generator().manual_seed(0))
+    reference, model = model_of(window), model_of(sparse)
+    model.load_state_dict(reference.state_dict())
+    assert all(block.attention.pattern is not None for block in model.layers)
+    with triton_on_cpu() if kernels else torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_the_pattern_applies_to_the_layers_named():
+    config = dataclasses.replace(
+        PRESETS["tiny"], attention_pattern="longformer:8:globals=0", pattern_layers="odd"
+    )
+    model = model_of(config)
+    assert [block.attention.pattern is not None for block in model.layers] == [
+        False, True, False, True,
+    ]  # fmt: skip
+    assert config.sparse_layer_indices() == (1, 3)
+    with pytest.raises(ValueError, match="generating from such a model"):
+        from memfit.inference import KVCache
+
+        cache = KVCache(config, batch_size=1, max_seq_len=16, dtype=torch.float32, device="cpu")
+        model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache)
+
+
+def test_train_takes_the_pattern_and_records_it(tmp_path):
+    run = tmp_path / "run"
+    args = [
+        "train", "--device", "cpu", "--steps", "2", "--seq-len", "64", "--micro-batch", "2",
+        "--attention-pattern", "bigbird:16:globals=0:random=1:block=16", "--pattern-layers",
+        "0,2", "--out", str(run),
+    ]  # fmt: skip
+    assert main(args) == 0
+    meta = json.loads(next((run / "checkpoints").glob("step_*/meta.json")).read_text())
+    assert meta["model"]["attention_pattern"] == "bigbird:16:globals=0:random=1:block=16"
+    assert meta["model"]["pattern_layers"] == "0,2"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--attention-pattern", "local"], "attention pattern 'local' is not one of: local:W"),
+        (["--pattern-layers", "odd"], "set model.attention_pattern too"),
+        (["--attention-pattern", "local:8", "--pattern-layers", "9"], "layer indices in"),
+        (["--attention-pattern", "local:300"], r"window \(299, 0\) reaches past the sequence"),
+    ],
+)
+def test_bad_patterns_are_refused_before_training(tmp_path, capsys, flags, message):
+    args = ["train", "--device", "cpu", "--steps", "1", "--seq-len", "64", "--out", str(tmp_path)]
+    assert main(args + flags) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(message, err), err
