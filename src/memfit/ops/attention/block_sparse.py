@@ -282,14 +282,16 @@ def _sparse_dq_kernel(
     )
 
 
-def _rule_args(pattern: Pattern, seqlen: int, device: torch.device) -> tuple:
-    """(left, right, STRIDE, IS_CAUSAL, global flags or None) of the kernels' token rule."""
+def _rule_args(pattern: Pattern, layout: BlockLayout) -> tuple:
+    """(left, right, STRIDE, IS_CAUSAL, global flags) of the kernels' token rule; the flags
+    pointer is any int tensor (never read) without global tokens."""
     left, right = pattern.window if pattern.window is not None else (-NO_LIMIT, -NO_LIMIT)
-    flags = None
-    if pattern.global_tokens:
-        flags = torch.zeros(seqlen, dtype=torch.int8, device=device)
-        flags[list(pattern.global_tokens)] = 1
+    flags = layout.global_flags if layout.global_flags is not None else layout.kinds
     return left, right, pattern.stride, pattern.causal, flags
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 64 else 8
 
 
 def _geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int, int, int]:
@@ -306,18 +308,17 @@ def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
     lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return out, lse
-    left, right, stride, causal, flags = _rule_args(pattern, seqlen, q.device)
+    left, right, stride, causal, flags = _rule_args(pattern, layout)
     block_d = max(16, triton.next_power_of_2(head_dim))
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     launch(
         _sparse_fwd_kernel, (layout.tiles, batch * heads), q.device,
-        q, k, v, out, lse, cu_seqlens, layout.indptr, layout.indices, layout.kinds,
-        flags if flags is not None else layout.kinds,
+        q, k, v, out, lse, cu_seqlens, layout.indptr, layout.indices, layout.kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(out), *stride_lse,
         seqlen, left, right, scale * LOG2E, heads,
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
-        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=flags is not None, IS_VARLEN=varlen,
-        INTERPRET=interpreter_enabled(), num_warps=4,
+        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
+        IS_VARLEN=varlen, INTERPRET=interpreter_enabled(), num_warps=_warps(layout.block),
     )  # fmt: skip
     return out, lse
 
@@ -334,12 +335,11 @@ def _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scal
     interpret = interpreter_enabled()
     delta, lse2 = delta_and_lse2(out, dout, lse, cu_seqlens, seqlen, batch, heads)
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    left, right, stride, causal, flags = _rule_args(pattern, seqlen, q.device)
-    flags = flags if flags is not None else layout.kinds
+    left, right, stride, causal, flags = _rule_args(pattern, layout)
     meta = dict(
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
-        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=pattern.global_tokens != (),
-        IS_VARLEN=varlen, INTERPRET=interpret, num_warps=4,
+        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
+        IS_VARLEN=varlen, INTERPRET=interpret, num_warps=_warps(layout.block),
     )  # fmt: skip
     launch(
         _sparse_dkdv_kernel, (layout.tiles, batch * heads_kv), q.device,

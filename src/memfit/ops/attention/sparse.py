@@ -109,6 +109,11 @@ class Pattern:
                 "a pattern needs a window, strided columns, global tokens or blocks (dense "
                 "attention is memfit.flash_attention)"
             )
+        # (hashed once: a user layout's rows are long, and every call looks its layout up)
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _FIELDS)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def check(self, seqlen: int, block: int) -> None:
         """Refuse what does not fit a sequence of `seqlen` tokens in tiles of `block`, saying
@@ -144,6 +149,12 @@ class Pattern:
                     f"a block layout of {shape[0]} x {shape[1]} tiles does not match a sequence "
                     f"of {seqlen} tokens in {block}-token tiles ({tiles} x {tiles})"
                 )
+
+
+_FIELDS = (
+    "causal", "window", "stride", "global_tokens", "random_blocks", "seed", "blocks", "block",
+    "dilation",
+)  # fmt: skip
 
 
 def local(window: int, *, causal: bool = True) -> Pattern:
@@ -294,7 +305,8 @@ class BlockLayout:
 
     indptr (tiles + 1,) int32 and indices, kinds (nnz,) int32: query block b visits key blocks
     indices[indptr[b]:indptr[b + 1]] (ascending) with those kinds; t_indptr, t_indices, t_kinds:
-    the same by key block (the query blocks that see it). `tiles` blocks of `block` tokens."""
+    the same by key block (the query blocks that see it). `tiles` blocks of `block` tokens.
+    global_flags: (seqlen,) int8, 1 at the pattern's global tokens (None without any)."""
 
     seqlen: int
     block: int
@@ -305,6 +317,7 @@ class BlockLayout:
     t_indptr: Tensor
     t_indices: Tensor
     t_kinds: Tensor
+    global_flags: Tensor | None = None
 
     @property
     def nnz(self) -> int:
@@ -437,10 +450,15 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
     indptr, indices, kind = _csr(pairs[:, 0], pairs[:, 1], kinds, tiles)
     t_indptr, t_indices, t_kind = _csr(pairs[:, 1], pairs[:, 0], kinds, tiles)
     move = functools.partial(Tensor.to, device=device)
+    flags = None
+    if pattern.global_tokens:
+        flags = torch.zeros(seqlen, dtype=torch.int8)
+        flags[list(pattern.global_tokens)] = 1
+        flags = move(flags)
     return BlockLayout(
         seqlen=seqlen, block=block, tiles=tiles, indptr=move(indptr), indices=move(indices),
         kinds=move(kind), t_indptr=move(t_indptr), t_indices=move(t_indices),
-        t_kinds=move(t_kind),
+        t_kinds=move(t_kind), global_flags=flags,
     )  # fmt: skip
 
 

@@ -1,0 +1,251 @@
+"""Sparse attention: memfit.sparse_attention against torch.compile(flex_attention) with the same
+masks, the same GPU and process, forward and forward + backward, over the sequence length; and
+memfit's dense causal FlashAttention as the baseline every pattern must undercut.
+
+Shapes as ../shared/ANCHORS.md's "Sparse attention" table: batch 1, 16 heads, head dim 128,
+bf16. Patterns (memfit.ops.attention.sparse; Flex gets the same token mask as a mask_mod, its
+block mask built once per shape, outside the timing):
+
+    local       causal window of 512
+    strided     causal window of 256 + every 256th column (the Sparse Transformer's)
+    dilated     causal, every 4th token (memfit: the 4 interleaved subsequences)
+    longformer  bidirectional window of 256 each side + 64 global tokens (the first 64)
+    bigbird     bidirectional, tiles of 128: 3-tile window, 2 global tiles, 3 random tiles
+
+    python benchmarks/sparse_attention.py                       # N = 16k and 64k
+    python benchmarks/sparse_attention.py --lengths 4096 16384 65536 131072 --systems memfit
+    python benchmarks/sparse_attention.py --train                # llama-1b training at 16k
+
+--train: `memfit train`'s engine on llama-1b shapes (random weights, max_seq_len raised to the
+length) at sequence 16384, micro-batch 1, bf16, full checkpointing: dense memfit flash against
+the Longformer and BigBird patterns on every layer; tokens/s (median step after warm-up) and
+peak memory.
+
+Time: median of CUDA-event times after warm-up (compilation, autotuning, layout and block-mask
+construction excluded). Extra memory: peak allocated during a forward + backward minus what
+was allocated before it (q, k, v, dout).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import harness
+import torch
+
+from memfit.ops.attention import flash_attention, sparse, sparse_attention
+from memfit.ops.attention.sparse import CAUSAL, FULL
+
+HEADS, DIM = 16, 128
+
+
+def patterns(seqlen: int) -> dict[str, sparse.Pattern]:
+    tiles = seqlen // 128
+    window = torch.zeros(tiles, tiles, dtype=torch.int64)
+    for b in range(tiles):
+        window[b, max(0, b - 1) : b + 2] = 1
+    window[:2, :] = 1
+    window[:, :2] = 1
+    generator = torch.Generator().manual_seed(0)
+    for b in range(tiles):
+        free = (window[b] == 0).nonzero().flatten()
+        window[b, free[torch.randperm(len(free), generator=generator)[:3]]] = 1
+    return {
+        "local": sparse.local(512),
+        "strided": sparse.strided(256),
+        "dilated": sparse.dilated(4),
+        "longformer": sparse.longformer(256, list(range(64))),
+        "bigbird": sparse.from_blocks(window, block=128),
+    }
+
+
+def block_of(pattern: sparse.Pattern) -> int:
+    return pattern.block or 64
+
+
+def flex_mask_mod(pattern: sparse.Pattern, seqlen: int, device: str = "cuda"):
+    """The pattern's token mask as a FlexAttention mask_mod (sparse.dense_mask's rule)."""
+    left, right = pattern.window if pattern.window is not None else (-(1 << 30), -(1 << 30))
+    stride, k, causal = pattern.stride, pattern.dilation, pattern.causal
+    flags = torch.zeros(seqlen, dtype=torch.bool, device=device)
+    if pattern.global_tokens:
+        flags[list(pattern.global_tokens)] = True
+    block = block_of(pattern)
+    whole = None
+    if pattern.blocks is not None or pattern.random_blocks:
+        kinds = sparse.block_layout(pattern, seqlen, block).dense()
+        whole = ((kinds == FULL) | (kinds == CAUSAL)).to(device)
+
+    def mask_mod(b, h, q, kv):
+        if k > 1:  # dilated: the same residue, within the window of steps
+            steps = (q - kv) // k
+            allowed = ((q - kv) % k == 0) & (steps <= left) & (steps >= -right)
+        else:
+            allowed = (kv >= q - left) & (kv <= q + right)
+        if stride:
+            allowed = allowed | ((kv + 1) % stride == 0)
+        if pattern.global_tokens:
+            allowed = allowed | flags[q] | flags[kv]
+        if whole is not None:
+            allowed = allowed | whole[q // block, kv // block]
+        if causal:
+            allowed = allowed & (kv <= q)
+        return allowed
+
+    return mask_mod
+
+
+def measure(fn, args) -> dict:
+    q, k, v, dout = args
+
+    def forward():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    def both():
+        out = fn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    forward_ms = harness.median(harness.time_calls(forward, warmup=3, repeat=10)) * 1e3
+    both_ms = harness.median(harness.time_calls(both, warmup=3, repeat=10)) * 1e3
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    both()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+    return {"forward_ms": forward_ms, "forward_backward_ms": both_ms, "extra_mib": extra}
+
+
+TRAIN_PATTERNS = {
+    "dense": "",
+    "longformer": "longformer:256:globals=0",
+    "bigbird": "bigbird:128:globals=0:random=3:block=128",
+}
+
+
+def train_rows(seqlen: int, steps: int) -> list[dict]:
+    import dataclasses
+    import json
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from memfit.config import build_config
+    from memfit.models.config import PRESETS, to_hf_config
+    from memfit.train.engine import Trainer
+
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        config_json = Path(out) / "config.json"
+        model = dataclasses.replace(PRESETS["llama-1b"], max_seq_len=seqlen)
+        config_json.write_text(json.dumps(to_hf_config(model)))
+        for name, spec in TRAIN_PATTERNS.items():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            row = {"pattern": name, "system": "memfit train", "seqlen": seqlen, "spec": spec}
+            try:
+                trainer = Trainer(build_config(flags={
+                    "model": {"name": str(config_json), "attention_pattern": spec},
+                    "data": {"seq_len": seqlen},
+                    "train": {"steps": steps, "micro_batch": 1, "precision": "bf16",
+                              "checkpointing": "full", "device": "cuda", "lr": 1e-4},
+                    "checkpoint": {"out": str(Path(out) / name)},
+                }))  # fmt: skip
+                times = []
+                for i in range(steps):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    trainer.train_step()
+                    torch.cuda.synchronize()
+                    if i >= 2:
+                        times.append(time.perf_counter() - start)
+                row["tokens_per_s"] = seqlen / harness.median(times)
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                del trainer
+            except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument(
+        "--patterns", nargs="+", default=["local", "strided", "dilated", "longformer", "bigbird"]
+    )
+    parser.add_argument("--systems", nargs="+", default=["memfit", "flex"])
+    parser.add_argument("--train", action="store_true", help="the llama-1b training rows")
+    parser.add_argument("--train-steps", type=int, default=6)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.train:
+        run = {"env": harness.environment(), "records": train_rows(16384, args.train_steps)}
+        if args.out is not None:
+            from pathlib import Path
+
+            harness.RESULTS = Path(args.out)
+        print(f"results: {harness.append_results('sparse_attention_train', run)}")
+        return
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention)
+    run = {"env": harness.environment(), "heads": HEADS, "head_dim": DIM, "records": []}
+    for n in args.lengths:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (
+            torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(4)
+        )
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        rows = []
+        dense = {"pattern": "dense causal", "system": "memfit flash"}
+        try:
+            dense |= measure(lambda q, k, v: flash_attention(q, k, v, causal=True), (q, k, v, dout))
+        except torch.OutOfMemoryError as error:
+            dense["error"] = str(error)[:200]
+        rows.append(dense)
+        for name in args.patterns:
+            pattern = patterns(n)[name]
+            for system in args.systems:
+                row = {"pattern": name, "system": system}
+                try:
+                    if system == "memfit":
+                        block = block_of(pattern)
+                        sparse.block_layout(pattern, n, block, "cuda")  # (built once, untimed)
+                        row["density"] = sparse.block_layout(pattern, n, block, "cuda").density
+                        row |= measure(
+                            lambda q, k, v, p=pattern, b=block: sparse_attention(q, k, v, p, block=b),
+                            (q, k, v, dout),
+                        )  # fmt: skip
+                    else:
+                        mask = create_block_mask(
+                            flex_mask_mod(pattern, n), None, None, n, n, device="cuda",
+                            BLOCK_SIZE=128,
+                        )  # fmt: skip
+                        row |= measure(
+                            lambda q, k, v, m=mask: flex(
+                                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                block_mask=m,
+                            ).transpose(1, 2),
+                            (q, k, v, dout),
+                        )  # fmt: skip
+                except (torch.OutOfMemoryError, RuntimeError) as error:
+                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                rows.append(row)
+                torch.cuda.empty_cache()
+        for row in rows:
+            row["seqlen"] = n
+            run["records"].append(row)
+            print(row, flush=True)
+    if args.out is not None:
+        from pathlib import Path
+
+        harness.RESULTS = Path(args.out)
+    print(f"results: {harness.append_results('sparse_attention', run)}")
+
+
+if __name__ == "__main__":
+    main()
