@@ -20,6 +20,20 @@ PATTERNS = {
     "bigbird causal": (sparse.bigbird(8, [0, 30], 1, block=BLOCK, seed=2, causal=True), 77),
     "dilated": (sparse.dilated(4, window=6), 80),
     "only itself": (sparse.local(1), 40),
+    "bigbird per head": (sparse.bigbird(8, [0], 2, block=BLOCK, seed=4, heads=4), 77),
+    "user layout per head": (
+        sparse.from_blocks(
+            torch.stack(
+                [
+                    torch.eye(5, dtype=torch.int64).roll(h, 1) | torch.eye(5, dtype=torch.int64)
+                    for h in range(4)
+                ]
+            ),
+            block=BLOCK,
+            causal=True,
+        ),
+        77,
+    ),  # fmt: skip
 }
 
 

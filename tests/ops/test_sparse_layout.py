@@ -59,10 +59,10 @@ def test_the_transpose_lists_the_same_tiles(name):
     layout = sparse.block_layout(PATTERNS[name], 77, BLOCK)
     by_key = torch.full((layout.tiles, layout.tiles), -1, dtype=torch.int8)
     for c in range(layout.tiles):
-        lo, hi = int(layout.t_indptr[c]), int(layout.t_indptr[c + 1])
-        rows = layout.t_indices[lo:hi]
+        lo, hi = int(layout.t_indptr[0, c]), int(layout.t_indptr[0, c + 1])
+        rows = layout.t_indices[0, lo:hi]
         assert torch.equal(rows, rows.sort().values)
-        by_key[rows.long(), c] = layout.t_kinds[lo:hi].to(torch.int8)
+        by_key[rows.long(), c] = layout.t_kinds[0, lo:hi].to(torch.int8)
     assert torch.equal(by_key, layout.dense())
 
 
@@ -190,3 +190,24 @@ def test_the_planner_counts_a_patterns_attention():
     dense = model.spec.attention_forward_flops(8192)
     half = alternating.spec.attention_forward_flops(8192)
     assert half == pytest.approx((dense + local.spec.attention_forward_flops(8192)) / 2)
+
+
+def test_a_layout_per_head():
+    """bigbird(heads=4): the rule's tiles shared, each head its own random tiles (the first
+    head's those of the shared layout with the same seed); a user layout per head."""
+    shared = sparse.block_layout(sparse.bigbird(8, [0], 2, block=BLOCK, seed=7), 256, BLOCK)
+    per_head = sparse.block_layout(
+        sparse.bigbird(8, [0], 2, block=BLOCK, seed=7, heads=4), 256, BLOCK
+    )
+    assert per_head.heads == 4 and shared.heads == 1
+    assert torch.equal(per_head.dense(0), shared.dense())
+    assert not torch.equal(per_head.dense(1), per_head.dense(0))
+    assert per_head.nnz == 4 * shared.nnz
+    masks = sparse.dense_mask(sparse.bigbird(8, [0], 2, block=BLOCK, seed=7, heads=4), 256)
+    assert masks.shape == (4, 256, 256) and not torch.equal(masks[0], masks[1])
+    blocks = torch.stack([torch.eye(4, dtype=torch.int64), torch.ones(4, 4, dtype=torch.int64)])
+    user = sparse.block_layout(sparse.from_blocks(blocks, block=BLOCK), 64, BLOCK)
+    assert torch.equal(user.dense(0) >= 0, blocks[0].bool())
+    assert torch.equal(user.dense(1) >= 0, blocks[1].bool())
+    with pytest.raises(ValueError, match="per-head layouts come from random blocks"):
+        sparse.Pattern(window=(4, 0), heads=2)

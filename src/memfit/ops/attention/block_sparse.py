@@ -5,7 +5,8 @@ The kernels are FlashAttention's (the package docstring: online softmax forward,
 dk/dv and dq programs without atomics, so reruns are bitwise equal), walking a layout instead of
 a band: a forward or dq program owns a query tile and visits the key tiles of its CSR row; a
 dk/dv program owns a key tile and visits the query tiles of its CSR column, for every query head
-of its GQA group. A tile's kind (FULL, RULE, CAUSAL) says how its pairs are masked; the token
+of its GQA group (with a layout per head, each head's own column). A tile's kind (FULL, RULE,
+CAUSAL) says how its pairs are masked; the token
 rule (band, strided columns, global tokens, causality) is computed in registers from positions
 and a per-token flag of global tokens. Tiles past a sequence's end are skipped and rows past it
 never stored, so any length runs; packed variable-length batches take cu_seqlens, every sequence
@@ -75,12 +76,14 @@ def _sparse_fwd_kernel(
     Q, K, V, Out, LSE, CU, INDPTR, INDICES, KINDS, GLOBAL,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+    stride_indptr, stride_list,
     seqlen, left, right, qk_scale, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
+    PER_HEAD: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One query tile of one (sequence, head): the online softmax over its layout row."""
+    """One query tile of one (sequence, head): the online softmax over its layout row (the
+    head's own layout with PER_HEAD)."""
     tile = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // num_heads
@@ -102,6 +105,10 @@ def _sparse_fwd_kernel(
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    if PER_HEAD:  # (this head's layout)
+        INDPTR += off_h * stride_indptr
+        INDICES += off_h * stride_list
+        KINDS += off_h * stride_list
     lo = tl.load(INDPTR + tile)
     hi = tl.load(INDPTR + tile + 1)
     for i in range(lo, hi):
@@ -141,15 +148,51 @@ def _sparse_fwd_kernel(
 
 
 @triton.jit
+def _dkdv_tile(
+    dk, dv, k, v, Q, DO, LSE2, DELTA, T_INDICES, T_KINDS, GLOBAL, i, off_h, off_b64, start,
+    start64, offs_n, offs_d, d_ok, stride_qb, stride_qn, stride_qh, stride_dob, stride_don,
+    stride_doh, stride_lb, stride_lh, seqlen, left, right, qk_scale,
+    BLOCK: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Add query tile T_INDICES[i] of head off_h to a key tile's dk and dv (transposed:
+    keys x queries)."""
+    start_m = tl.load(T_INDICES + i) * BLOCK
+    kind = tl.load(T_KINDS + i)
+    offs_m = start_m + tl.arange(0, BLOCK)
+    row_ok = offs_m < seqlen
+    io_mask = row_ok[:, None] & d_ok
+    q_rows = start64 * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
+    q = tl.load(Q + off_b64 * stride_qb + off_h * stride_qh + q_rows, mask=io_mask, other=0.0)
+    do_rows = start64 * stride_don + offs_m[:, None] * stride_don + offs_d[None, :]
+    do = tl.load(DO + off_b64 * stride_dob + off_h * stride_doh + do_rows, mask=io_mask, other=0.0)
+    row = off_b64 * stride_lb + off_h * stride_lh + start + offs_m
+    lse2 = tl.load(LSE2 + row, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    qkT = _dot(k, tl.trans(q), None, INTERPRET)
+    dpT = _dot(v, tl.trans(do), None, INTERPRET)
+    keepT = _keep(
+        offs_m[None, :], offs_n[:, None], kind, seqlen, GLOBAL, left, right, STRIDE, IS_CAUSAL,
+        HAS_GLOBAL,
+    )  # fmt: skip
+    pT = tl.where(keepT, tl.math.exp2(qkT * qk_scale - lse2[None, :]), 0.0)
+    dv = _dot(_to_dtype(pT, do.dtype, INTERPRET), do, dv, INTERPRET)
+    dsT = pT * (dpT - delta[None, :])
+    dk = _dot(_to_dtype(dsT, q.dtype, INTERPRET), q, dk, INTERPRET)
+    return dk, dv
+
+
+@triton.jit
 def _sparse_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, CU, T_INDPTR, T_INDICES, T_KINDS, GLOBAL,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
+    stride_indptr, stride_list,
     seqlen, left, right, qk_scale, softmax_scale, num_heads_kv,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
+    PER_HEAD: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """dk, dv of one key tile of one (sequence, kv head): over the query tiles of its layout
     column, for each query head of the group (computed transposed: keys x queries)."""
@@ -173,36 +216,31 @@ def _sparse_dkdv_kernel(
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    lo = tl.load(T_INDPTR + tile)
-    count = tl.load(T_INDPTR + tile + 1) - lo
-    for step in range(0, GROUP * count):  # (one counted loop over (head, query tile))
-        g = step // count
-        i = lo + step - g * count
-        off_h = off_hk * GROUP + g
-        start_m = tl.load(T_INDICES + i) * BLOCK
-        kind = tl.load(T_KINDS + i)
-        offs_m = start_m + tl.arange(0, BLOCK)
-        row_ok = offs_m < seqlen
-        io_mask = row_ok[:, None] & d_ok
-        q_rows = start64 * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
-        q = tl.load(Q + off_b64 * stride_qb + off_h * stride_qh + q_rows, mask=io_mask, other=0.0)
-        do_rows = start64 * stride_don + offs_m[:, None] * stride_don + offs_d[None, :]
-        do = tl.load(
-            DO + off_b64 * stride_dob + off_h * stride_doh + do_rows, mask=io_mask, other=0.0
-        )
-        row = off_b64 * stride_lb + off_h * stride_lh + start + offs_m
-        lse2 = tl.load(LSE2 + row, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        qkT = _dot(k, tl.trans(q), None, INTERPRET)
-        dpT = _dot(v, tl.trans(do), None, INTERPRET)
-        keepT = _keep(
-            offs_m[None, :], offs_n[:, None], kind, seqlen, GLOBAL, left, right, STRIDE,
-            IS_CAUSAL, HAS_GLOBAL,
-        )  # fmt: skip
-        pT = tl.where(keepT, tl.math.exp2(qkT * qk_scale - lse2[None, :]), 0.0)
-        dv = _dot(_to_dtype(pT, do.dtype, INTERPRET), do, dv, INTERPRET)
-        dsT = pT * (dpT - delta[None, :])
-        dk = _dot(_to_dtype(dsT, q.dtype, INTERPRET), q, dk, INTERPRET)
+    if PER_HEAD:  # each query head of the group walks its own layout's column
+        for g in range(0, GROUP):
+            off_h = off_hk * GROUP + g
+            lo = tl.load(T_INDPTR + off_h * stride_indptr + tile)
+            hi = tl.load(T_INDPTR + off_h * stride_indptr + tile + 1)
+            for i in range(lo, hi):
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, Q, DO, LSE2, DELTA, T_INDICES + off_h * stride_list,
+                    T_KINDS + off_h * stride_list, GLOBAL, i, off_h, off_b64, start,
+                    start64, offs_n, offs_d, d_ok, stride_qb, stride_qn, stride_qh,
+                    stride_dob, stride_don, stride_doh, stride_lb, stride_lh, seqlen, left,
+                    right, qk_scale, BLOCK, STRIDE, IS_CAUSAL, HAS_GLOBAL, INTERPRET,
+                )  # fmt: skip
+    else:  # one counted loop over (head, query tile): the column is the same for every head
+        lo = tl.load(T_INDPTR + tile)
+        count = tl.load(T_INDPTR + tile + 1) - lo
+        for step in range(0, GROUP * count):
+            g = step // count
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, Q, DO, LSE2, DELTA, T_INDICES, T_KINDS, GLOBAL,
+                lo + step - g * count, off_hk * GROUP + g, off_b64, start, start64, offs_n,
+                offs_d, d_ok, stride_qb, stride_qn, stride_qh, stride_dob, stride_don,
+                stride_doh, stride_lb, stride_lh, seqlen, left, right, qk_scale, BLOCK, STRIDE,
+                IS_CAUSAL, HAS_GLOBAL, INTERPRET,
+            )  # fmt: skip
     dk = dk * softmax_scale
     dk_base = DK + off_b64 * stride_dkb + start64 * stride_dkn + off_hk * stride_dkh
     dv_base = DV + off_b64 * stride_dvb + start64 * stride_dvn + off_hk * stride_dvh
@@ -223,11 +261,11 @@ def _sparse_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ, CU, INDPTR, INDICES, KINDS, GLOBAL,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-    stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh,
+    stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, stride_indptr, stride_list,
     seqlen, left, right, qk_scale, softmax_scale, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
+    PER_HEAD: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """dq of one query tile of one (sequence, head): over the key tiles of its layout row."""
     tile = tl.program_id(0)
@@ -255,6 +293,10 @@ def _sparse_dq_kernel(
     k_base = K + off_b64 * stride_kb + start64 * stride_kn + (off_h // GROUP) * stride_kh
     v_base = V + off_b64 * stride_vb + start64 * stride_vn + (off_h // GROUP) * stride_vh
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    if PER_HEAD:  # (this head's layout)
+        INDPTR += off_h * stride_indptr
+        INDICES += off_h * stride_list
+        KINDS += off_h * stride_list
     lo = tl.load(INDPTR + tile)
     hi = tl.load(INDPTR + tile + 1)
     for i in range(lo, hi):
@@ -315,10 +357,12 @@ def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
         _sparse_fwd_kernel, (layout.tiles, batch * heads), q.device,
         q, k, v, out, lse, cu_seqlens, layout.indptr, layout.indices, layout.kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(out), *stride_lse,
-        seqlen, left, right, scale * LOG2E, heads,
+        layout.indptr.stride(0), layout.indices.stride(0), seqlen, left, right, scale * LOG2E,
+        heads,
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
         STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
-        IS_VARLEN=varlen, INTERPRET=interpreter_enabled(), num_warps=_warps(layout.block),
+        PER_HEAD=layout.heads > 1, IS_VARLEN=varlen, INTERPRET=interpreter_enabled(),
+        num_warps=_warps(layout.block),
     )  # fmt: skip
     return out, lse
 
@@ -339,21 +383,24 @@ def _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scal
     meta = dict(
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
         STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
-        IS_VARLEN=varlen, INTERPRET=interpret, num_warps=_warps(layout.block),
+        PER_HEAD=layout.heads > 1, IS_VARLEN=varlen, INTERPRET=interpret,
+        num_warps=_warps(layout.block),
     )  # fmt: skip
     launch(
         _sparse_dkdv_kernel, (layout.tiles, batch * heads_kv), q.device,
         q, k, v, dout, lse2, delta, dk, dv, cu_seqlens, layout.t_indptr, layout.t_indices,
         layout.t_kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dk), *_layout(dv),
-        *stride_lse, seqlen, left, right, scale * LOG2E, scale, heads_kv, **meta,
+        *stride_lse, layout.t_indptr.stride(0), layout.t_indices.stride(0), seqlen, left,
+        right, scale * LOG2E, scale, heads_kv, **meta,
     )  # fmt: skip
     launch(
         _sparse_dq_kernel, (layout.tiles, batch * heads), q.device,
         q, k, v, dout, lse2, delta, dq, cu_seqlens, layout.indptr, layout.indices,
         layout.kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *stride_lse,
-        seqlen, left, right, scale * LOG2E, scale, heads, **meta,
+        layout.indptr.stride(0), layout.indices.stride(0), seqlen, left, right, scale * LOG2E,
+        scale, heads, **meta,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -410,6 +457,10 @@ def sparse_attention(
         raise ValueError(
             f"k and v must have q's batch, length and head dim, and heads_kv dividing its "
             f"{heads} heads: got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if pattern.heads not in (1, heads):
+        raise ValueError(
+            f"the pattern has a layout for each of {pattern.heads} heads, q has {heads} heads"
         )
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
     kernels = HAS_TRITON and use_triton_on(q.device)
@@ -473,6 +524,10 @@ def sparse_attention_varlen(
     if cu_seqlens[0] != 0 or min(lengths) < 0 or cu_seqlens[-1] != q.shape[0]:
         raise ValueError(
             f"cu_seqlens must start at 0, grow, and end at the {q.shape[0]} packed rows"
+        )
+    if pattern.heads not in (1, q.shape[1]):
+        raise ValueError(
+            f"the pattern has a layout for each of {pattern.heads} heads, q has {q.shape[1]} heads"
         )
     max_seqlen = max(lengths) if max_seqlen is None else max_seqlen
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale

@@ -69,9 +69,10 @@ class Pattern:
     the query are never seen; stride: summary columns every `stride` tokens (0: none);
     global_tokens: positions that see and are seen by every token; random_blocks: key blocks per
     query block drawn at random (seeded) from those the rest leaves out; blocks: a user block
-    layout, a tuple of rows of 0/1 (query blocks x key blocks); block: the tile size that
-    random_blocks and blocks are given in (None: the layout's); dilation: see the module
-    docstring."""
+    layout, a tuple of rows of 0/1 (query blocks x key blocks), or one such per head; block: the
+    tile size that random_blocks and blocks are given in (None: the layout's); dilation: see
+    the module docstring; heads: 1 for one layout shared by every head, else the number of
+    query heads, each with its own random or user blocks (the rule's tiles are shared)."""
 
     causal: bool = True
     window: tuple[int, int] | None = None
@@ -82,6 +83,7 @@ class Pattern:
     blocks: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
     block: int | None = None
     dilation: int = 1
+    heads: int = 1
 
     def __post_init__(self) -> None:
         if self.window is not None:
@@ -93,6 +95,13 @@ class Pattern:
                     f"a causal pattern sees no key after the query: window right must be 0, "
                     f"got {self.window}"
                 )
+        if self.heads < 1 or (
+            self.heads > 1 and not (self.random_blocks or self.blocks is not None)
+        ):
+            raise ValueError(
+                f"heads = {self.heads}: per-head layouts come from random blocks or a user "
+                "layout per head (the token rule is the same for every head)"
+            )
         if self.stride < 0 or self.random_blocks < 0 or self.dilation < 1:
             raise ValueError(
                 f"stride and random_blocks must be >= 0 and dilation >= 1, got stride "
@@ -143,8 +152,10 @@ class Pattern:
             )
         if self.blocks is not None:
             tiles = -(-seqlen // block)
-            shape = (len(self.blocks), len(self.blocks[0]) if self.blocks else 0)
-            if shape != (tiles, tiles):
+            heads = self.blocks if self.heads > 1 else (self.blocks,)
+            shapes = {(len(rows), len(rows[0]) if rows else 0) for rows in heads}
+            shape = next(iter(shapes))
+            if shapes != {(tiles, tiles)}:
                 raise ValueError(
                     f"a block layout of {shape[0]} x {shape[1]} tiles does not match a sequence "
                     f"of {seqlen} tokens in {block}-token tiles ({tiles} x {tiles})"
@@ -153,7 +164,7 @@ class Pattern:
 
 _FIELDS = (
     "causal", "window", "stride", "global_tokens", "random_blocks", "seed", "blocks", "block",
-    "dilation",
+    "dilation", "heads",
 )  # fmt: skip
 
 
@@ -207,28 +218,38 @@ def bigbird(
     block: int,
     seed: int = 0,
     causal: bool = False,
+    heads: int = 1,
 ) -> Pattern:
     """BigBird: Longformer's window and global tokens, plus `random_blocks` key blocks of
-    `block` tokens per query block, drawn with `seed` from the blocks the rest leaves out."""
+    `block` tokens per query block, drawn with `seed` from the blocks the rest leaves out; with
+    `heads` > 1, drawn for each query head apart."""
     band = local(window, causal=causal).window
     return Pattern(
         causal=causal, window=band, global_tokens=tuple(sorted(set(global_tokens))),
-        random_blocks=random_blocks, seed=seed, block=block,
+        random_blocks=random_blocks, seed=seed, block=block, heads=heads,
     )  # fmt: skip
 
 
 def from_blocks(blocks: Tensor | list, *, block: int, causal: bool = False) -> Pattern:
-    """A user layout: `blocks` (query blocks x key blocks) of 0/1, each 1 a whole tile of
-    `block` tokens seen (causal: its pairs with key <= query)."""
+    """A user layout: `blocks` (query blocks x key blocks), or (heads, query blocks, key
+    blocks) for a layout per query head, of 0/1, each 1 a whole tile of `block` tokens seen
+    (causal: its pairs with key <= query)."""
     rows = torch.as_tensor(blocks).to(torch.bool)
-    if rows.ndim != 2:
-        raise ValueError(f"a block layout is (query blocks, key blocks), got {tuple(rows.shape)}")
+    if rows.ndim not in (2, 3):
+        raise ValueError(
+            f"a block layout is (query blocks, key blocks) or (heads, query blocks, key "
+            f"blocks), got {tuple(rows.shape)}"
+        )
     if not rows.any():
         raise ValueError("a block layout with no block sees nothing")
-    return Pattern(
-        causal=causal, blocks=tuple(tuple(int(x) for x in row) for row in rows.tolist()),
-        block=block,
-    )  # fmt: skip
+    nested = rows.int().tolist()
+    heads = rows.shape[0] if rows.ndim == 3 else 1
+    as_tuples = (
+        tuple(tuple(tuple(r) for r in h) for h in nested)
+        if rows.ndim == 3
+        else tuple(tuple(r) for r in nested)
+    )
+    return Pattern(causal=causal, blocks=as_tuples, block=block, heads=heads)
 
 
 # tile size of a spec's random blocks unless it says (memfit.ops.attention.block_sparse's GPU tile)
@@ -303,9 +324,11 @@ def _rule(pattern: Pattern, i: Tensor, j: Tensor, seqlen: int) -> Tensor:
 class BlockLayout:
     """The tiles a block-sparse kernel visits (module docstring), for one sequence length.
 
-    indptr (tiles + 1,) int32 and indices, kinds (nnz,) int32: query block b visits key blocks
-    indices[indptr[b]:indptr[b + 1]] (ascending) with those kinds; t_indptr, t_indices, t_kinds:
-    the same by key block (the query blocks that see it). `tiles` blocks of `block` tokens.
+    indptr (heads, tiles + 1) int32 and indices, kinds (heads, most entries) int32: in head h's
+    layout (heads = 1: one shared by every head) query block b visits key blocks
+    indices[h, indptr[h, b]:indptr[h, b + 1]] (ascending) with those kinds; t_indptr,
+    t_indices, t_kinds: the same by key block (the query blocks that see it). `tiles` blocks of
+    `block` tokens.
     global_flags: (seqlen,) int8, 1 at the pattern's global tokens (None without any)."""
 
     seqlen: int
@@ -320,22 +343,42 @@ class BlockLayout:
     global_flags: Tensor | None = None
 
     @property
+    def heads(self) -> int:
+        return self.indptr.shape[0]
+
+    @property
     def nnz(self) -> int:
-        return int(self.indices.numel())
+        """Tiles visited, over every head's layout."""
+        return int(self.indptr[:, -1].sum())
 
     @property
     def density(self) -> float:
-        """The part of all (tiles x tiles) tiles that are visited."""
-        return self.nnz / self.tiles**2
+        """The part of all (tiles x tiles) tiles that are visited (on average over heads)."""
+        return self.nnz / (self.heads * self.tiles**2)
 
-    def dense(self) -> Tensor:
-        """(tiles, tiles) int8: -1 where no tile is visited, else its kind."""
+    def dense(self, head: int = 0) -> Tensor:
+        """(tiles, tiles) int8 of head `head`'s layout: -1 where no tile is visited, else its
+        kind."""
         out = torch.full((self.tiles, self.tiles), -1, dtype=torch.int8)
-        rows = torch.repeat_interleave(
-            torch.arange(self.tiles), (self.indptr[1:] - self.indptr[:-1]).cpu().long()
+        indptr = self.indptr[head].cpu().long()
+        count = int(indptr[-1])
+        rows = torch.repeat_interleave(torch.arange(self.tiles), indptr[1:] - indptr[:-1])
+        out[rows, self.indices[head, :count].cpu().long()] = (
+            self.kinds[head, :count].cpu().to(torch.int8)
         )
-        out[rows, self.indices.cpu().long()] = self.kinds.cpu().to(torch.int8)
         return out
+
+
+def _stack(lists: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-head CSR lists as (heads, tiles + 1) offsets and (heads, most entries) columns and
+    kinds, padded with zeros past each head's own entries."""
+    width = max(len(indices) for _, indices, _ in lists)
+    indptr = torch.stack([p for p, _, _ in lists])
+    indices = torch.zeros((len(lists), width), dtype=torch.int32)
+    kinds = torch.zeros((len(lists), width), dtype=torch.int32)
+    for h, (_, cols, kind) in enumerate(lists):
+        indices[h, : len(cols)], kinds[h, : len(kind)] = cols, kind
+    return indptr, indices, kinds
 
 
 def _csr(rows: Tensor, cols: Tensor, kinds: Tensor, tiles: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -396,12 +439,15 @@ def _classify(pattern: Pattern, pairs: Tensor, seqlen: int, block: int) -> tuple
     return torch.cat(any_allowed), torch.cat(all_allowed)
 
 
-def _whole_blocks(pattern: Pattern, taken: Tensor, tiles: int) -> Tensor:
-    """(n, 2) tiles added whole: the user layout's, and `random_blocks` per query block drawn
-    with the pattern's seed from the tiles `taken` (tiles x tiles bool) leaves out."""
+def _whole_blocks(
+    pattern: Pattern, taken: Tensor, tiles: int, head: int, generator: torch.Generator
+) -> Tensor:
+    """(n, 2) tiles added whole for query head `head`: the user layout's, and `random_blocks`
+    per query block drawn (from `generator`, heads in order) from the tiles `taken` (tiles x
+    tiles bool) leaves out."""
     if pattern.blocks is not None:
-        return torch.tensor(pattern.blocks, dtype=torch.bool).nonzero()
-    generator = torch.Generator().manual_seed(pattern.seed)
+        blocks = pattern.blocks[head] if pattern.heads > 1 else pattern.blocks
+        return torch.tensor(blocks, dtype=torch.bool).nonzero()
     chosen = []
     for row in range(tiles):
         free = (~taken[row]).nonzero().flatten()
@@ -427,28 +473,34 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
     tiles = -(-seqlen // block)
     pairs = _candidates(pattern, seqlen, block, tiles, "cpu")
     seen, whole = _classify(pattern, pairs, seqlen, block)
-    pairs, kinds = pairs[seen], torch.where(whole[seen], FULL, RULE)
-    if pattern.random_blocks or pattern.blocks is not None:
-        taken = torch.zeros((tiles, tiles), dtype=torch.bool)
-        taken[pairs[:, 0], pairs[:, 1]] = True
-        extra = _whole_blocks(pattern, taken, tiles)
-        if pattern.causal:
-            extra = extra[extra[:, 1] <= extra[:, 0]]
-        # a whole tile replaces what the rule listed there; on the diagonal (causal) it is
-        # masked by causality alone
-        extra_kinds = torch.full((len(extra),), FULL, dtype=torch.long)
-        if pattern.causal:
-            diagonal = (extra[:, 1] + 1) * block - 1 > extra[:, 0] * block
-            extra_kinds[diagonal] = CAUSAL
-        replaced = torch.zeros((tiles, tiles), dtype=torch.bool)
-        replaced[extra[:, 0], extra[:, 1]] = True
-        keep = ~replaced[pairs[:, 0], pairs[:, 1]]
-        pairs = torch.cat([pairs[keep], extra])
-        kinds = torch.cat([kinds[keep], extra_kinds])
-    if not len(pairs):
-        raise ValueError(f"{pattern} lets no token see any key in a sequence of {seqlen}")
-    indptr, indices, kind = _csr(pairs[:, 0], pairs[:, 1], kinds, tiles)
-    t_indptr, t_indices, t_kind = _csr(pairs[:, 1], pairs[:, 0], kinds, tiles)
+    rule_pairs, rule_kinds = pairs[seen], torch.where(whole[seen], FULL, RULE)
+    generator = torch.Generator().manual_seed(pattern.seed)
+    by_query, by_key = [], []
+    for head in range(pattern.heads):
+        pairs, kinds = rule_pairs, rule_kinds
+        if pattern.random_blocks or pattern.blocks is not None:
+            taken = torch.zeros((tiles, tiles), dtype=torch.bool)
+            taken[pairs[:, 0], pairs[:, 1]] = True
+            extra = _whole_blocks(pattern, taken, tiles, head, generator)
+            if pattern.causal:
+                extra = extra[extra[:, 1] <= extra[:, 0]]
+            # a whole tile replaces what the rule listed there; on the diagonal (causal) it is
+            # masked by causality alone
+            extra_kinds = torch.full((len(extra),), FULL, dtype=torch.long)
+            if pattern.causal:
+                diagonal = (extra[:, 1] + 1) * block - 1 > extra[:, 0] * block
+                extra_kinds[diagonal] = CAUSAL
+            replaced = torch.zeros((tiles, tiles), dtype=torch.bool)
+            replaced[extra[:, 0], extra[:, 1]] = True
+            keep = ~replaced[pairs[:, 0], pairs[:, 1]]
+            pairs = torch.cat([pairs[keep], extra])
+            kinds = torch.cat([kinds[keep], extra_kinds])
+        if not len(pairs):
+            raise ValueError(f"{pattern} lets no token see any key in a sequence of {seqlen}")
+        by_query.append(_csr(pairs[:, 0], pairs[:, 1], kinds, tiles))
+        by_key.append(_csr(pairs[:, 1], pairs[:, 0], kinds, tiles))
+    indptr, indices, kind = _stack(by_query)
+    t_indptr, t_indices, t_kind = _stack(by_key)
     move = functools.partial(Tensor.to, device=device)
     flags = None
     if pattern.global_tokens:
@@ -467,14 +519,19 @@ def keys_per_query(pattern: Pattern, seqlen: int, block: int = SPEC_BLOCK) -> fl
     block^2 / seqlen (over all `dilation` subsequences) -- the planner's measure of a pattern's
     attention FLOPs, which a dense causal layer spends on about seqlen / 2."""
     layout = block_layout(pattern, seqlen, pattern.block or block)
-    return pattern.dilation * layout.nnz * layout.block**2 / seqlen
+    return pattern.dilation * layout.nnz / layout.heads * layout.block**2 / seqlen
 
 
-def dense_mask(pattern: Pattern, seqlen: int, block: int | None = None) -> Tensor:
-    """(seqlen, seqlen) bool: which keys each query sees, token by token (tests, small shapes).
-    `block`: the tile size of random or user blocks (default the pattern's)."""
+def dense_mask(
+    pattern: Pattern, seqlen: int, block: int | None = None, head: int | None = None
+) -> Tensor:
+    """(seqlen, seqlen) bool: which keys each query sees, token by token (tests, small shapes);
+    a pattern with a layout per head: (heads, seqlen, seqlen), or head `head`'s. `block`: the
+    tile size of random or user blocks (default the pattern's)."""
     block = block or pattern.block or 64
     pattern.check(seqlen, block)
+    if pattern.heads > 1 and head is None:
+        return torch.stack([dense_mask(pattern, seqlen, block, h) for h in range(pattern.heads)])
     if pattern.dilation > 1:  # i sees j within its own subsequence, at the subsequence's rule
         k = pattern.dilation
         inner = dense_mask(
@@ -488,7 +545,7 @@ def dense_mask(pattern: Pattern, seqlen: int, block: int | None = None) -> Tenso
     allowed = _rule(pattern, i, j, seqlen)
     if pattern.random_blocks or pattern.blocks is not None:
         layout = block_layout(pattern, seqlen, block)
-        tiles = layout.dense()
+        tiles = layout.dense(head or 0)
         whole = (tiles == FULL) | (tiles == CAUSAL)
         token_whole = whole[i // block, j // block]
         if pattern.causal:
