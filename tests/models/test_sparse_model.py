@@ -1,8 +1,9 @@
-"""A model whose layers attend with a sparse pattern (ModelConfig.attention_pattern): a local
-pattern on every layer equals Mistral-style sliding-window attention, on the kernels (Triton's
-interpreter) and on the plain path; the pattern applies to the layers named; `memfit train` takes
-it from flags and TOML, records it in the checkpoint and refuses a bad one; generation from such
-a model says it is not supported yet."""
+"""A model whose layers attend with a sparse pattern (ModelConfig.attention_pattern): a band
+through the block-sparse kernel equals Mistral-style sliding-window attention, on the kernels
+(Triton's interpreter) and on the plain path; a plain local pattern runs as a sliding window,
+generation included; the pattern applies to the layers named; `memfit train` takes it from
+flags and TOML, records it in the checkpoint and refuses a bad one; generation from a model with
+another pattern says it is not supported yet."""
 
 import dataclasses
 import json
@@ -24,10 +25,12 @@ def model_of(config):
     "kernels",
     [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="triton"))],
 )
-def test_a_local_pattern_is_sliding_window_attention(kernels):
+def test_a_band_through_the_sparse_kernel_is_sliding_window_attention(kernels):
+    """strided:64:window=12 at 50 tokens is a causal band of 12 (its first summary column lies
+    past the sequence), run by memfit.sparse_attention, not as a window."""
     base = dataclasses.replace(PRESETS["tiny"], max_seq_len=64)
     window = dataclasses.replace(base, sliding_window=12)
-    sparse = dataclasses.replace(base, attention_pattern="local:12")
+    sparse = dataclasses.replace(base, attention_pattern="strided:64:window=12")
     tokens = torch.randint(0, base.vocab_size, (2, 50), generator=torch.Generator().manual_seed(0))
     reference, model = model_of(window), model_of(sparse)
     model.load_state_dict(reference.state_dict())
@@ -79,3 +82,22 @@ def test_bad_patterns_are_refused_before_training(tmp_path, capsys, flags, messa
     assert main(args + flags) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(message, err), err
+
+
+def test_a_local_pattern_generates_as_a_sliding_window_model():
+    """local:W on every layer runs as sliding-window attention, decode included: a static-cache
+    generation equals the sliding-window model's; with the pattern on some layers only, the
+    static cache (one window for all) refuses and names the paged engine."""
+    from memfit.inference.generate import generate
+
+    base = dataclasses.replace(PRESETS["tiny"], max_seq_len=64)
+    reference = model_of(dataclasses.replace(base, sliding_window=6))
+    model = model_of(dataclasses.replace(base, attention_pattern="local:6"))
+    model.load_state_dict(reference.state_dict())
+    assert all(b.attention.window == 6 and b.attention.pattern is None for b in model.layers)
+    prompt = torch.randint(0, base.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = generate(reference, prompt, max_new_tokens=12).tokens
+    assert generate(model, prompt, max_new_tokens=12).tokens == want
+    some = model_of(dataclasses.replace(base, attention_pattern="local:6", pattern_layers="odd"))
+    with pytest.raises(ValueError, match="decode with the paged engine"):
+        generate(some, prompt, max_new_tokens=2)

@@ -28,7 +28,7 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
-        self.window = config.sliding_window
+        self.window = config.attention_window
 
     @property
     def nbytes(self) -> int:

@@ -151,6 +151,29 @@ class ModelConfig:
                     f"{', '.join(needed)}; got {bad}"
                 )
 
+    def layer_window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window: the model's, or a local attention pattern's (a
+        causal band of W tokens, `local:W`) on the layers it applies to; None: none."""
+        if self.sliding_window is not None:
+            return self.sliding_window
+        if index in self.sparse_layer_indices():
+            from memfit.ops.attention.sparse import parse
+
+            return parse(self.attention_pattern).band
+        return None
+
+    @property
+    def some_window(self) -> int | None:
+        """A window some layer slides (choosing the attention kernel: SDPA has none), or None."""
+        return next(filter(None, map(self.layer_window, range(self.num_layers))), None)
+
+    @property
+    def attention_window(self) -> int | None:
+        """The window every layer shares (a static KV cache's masks), None if they differ or
+        there is none."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
     def sparse_layer_indices(self) -> tuple[int, ...]:
         """The layers whose attention follows `attention_pattern` (none without one)."""
         if self.attention_pattern is None:

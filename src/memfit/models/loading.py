@@ -498,7 +498,7 @@ def _meta_model(
         device,
         precision=_PRECISION[dtype],
         head_dim=config.head_dim,
-        window=config.sliding_window,
+        window=config.some_window,
     )
     return build_model(config, device="meta", attention=backend), backend
 

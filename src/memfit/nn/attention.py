@@ -154,6 +154,12 @@ class Attention(nn.Module):
             cached_k, cached_v = kv_cache.update(self.layer_index, metadata, k, v)
             if metadata.key_mask is not None:
                 k, v, read = cached_k, cached_v, metadata  # decode, chunked prefill
+                if self.window != getattr(kv_cache, "window", self.window):
+                    raise ValueError(
+                        f"layer {self.layer_index} slides a window of {self.window} and the "
+                        f"static KV cache masks for {kv_cache.window}: layers with different "
+                        "windows decode with the paged engine (memfit serve), not this cache"
+                    )
         if self.pattern is not None:
             y = MF.sparse_attention(q, k, v, self.pattern)
         else:

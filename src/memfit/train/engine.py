@@ -216,7 +216,7 @@ class Trainer:
             self.device,
             precision=self.precision,
             head_dim=self.model_config.head_dim,
-            window=self.model_config.sliding_window,
+            window=self.model_config.some_window,
         )
         self.attention = attention
         lora = config.lora.spec()

@@ -39,9 +39,11 @@ class Block(nn.Module):
             layer_index=layer_index,
             backend=backend,
             bias=config.qkv_bias,
-            window=config.sliding_window,
+            window=config.layer_window(layer_index),
+            # (a plain local pattern runs as the sliding window above, decode included)
             pattern=config.attention_pattern
             if layer_index in config.sparse_layer_indices()
+            and config.layer_window(layer_index) is None
             else None,
         )
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

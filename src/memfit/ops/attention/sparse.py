@@ -124,6 +124,17 @@ class Pattern:
     def __hash__(self) -> int:
         return self._hash
 
+    @property
+    def band(self) -> int | None:
+        """W when the pattern is only a causal window of W tokens (`local(W)`): sliding-window
+        attention, which the dense kernels and the paged decode run as such; else None."""
+        plain = not (
+            self.stride or self.global_tokens or self.random_blocks or self.blocks is not None
+        )
+        if self.causal and plain and self.dilation == 1 and self.window is not None:
+            return self.window[0] + 1
+        return None
+
     def check(self, seqlen: int, block: int) -> None:
         """Refuse what does not fit a sequence of `seqlen` tokens in tiles of `block`, saying
         which numbers disagree."""
