@@ -101,3 +101,26 @@ def test_a_local_pattern_generates_as_a_sliding_window_model():
     some = model_of(dataclasses.replace(base, attention_pattern="local:6", pattern_layers="odd"))
     with pytest.raises(ValueError, match="decode with the paged engine"):
         generate(some, prompt, max_new_tokens=2)
+
+
+def test_model_configs_refuse_what_a_causal_lm_cannot_take_and_export_what_hf_can():
+    from memfit.models.config import to_hf_config
+
+    base = PRESETS["tiny"]
+    with pytest.raises(ValueError, match="lets tokens see later ones"):
+        dataclasses.replace(base, attention_pattern="local:8:bidirectional")
+    with pytest.raises(ValueError, match="slides a window of 8 on every layer"):
+        dataclasses.replace(base, sliding_window=8, attention_pattern="local:4")
+    local = to_hf_config(dataclasses.replace(base, attention_pattern="local:8"))
+    assert local["model_type"] == "mistral" and local["sliding_window"] == 8
+    with pytest.raises(ValueError, match="has no equivalent"):
+        to_hf_config(dataclasses.replace(base, attention_pattern="longformer:8:globals=0"))
+
+
+def test_a_checkpoint_from_before_the_pattern_fields_still_matches(tmp_path):
+    from memfit.train.checkpoint import check_model_matches
+
+    config = PRESETS["tiny"]
+    meta = {"model": {k: v for k, v in dataclasses.asdict(config).items()
+                      if k not in ("attention_pattern", "pattern_layers")}}  # fmt: skip
+    check_model_matches(meta, config, tmp_path)

@@ -173,3 +173,43 @@ def test_on_cuda_against_the_dense_reference(name):
         assert max_error(mine, want) <= 2 * max_error(theirs, want) + 1e-3, what
     again = run(lambda q, k, v: sparse_attention(q, k, v, pattern), low, grad)
     assert all(torch.equal(a, b) for a, b in zip(ours, again, strict=True))
+
+
+def test_under_torch_compile_the_kernels_run(monkeypatch):
+    """A compiled caller (torch.compile, here with the eager backend) still runs the kernels,
+    left out of the graph, not the dense fallback."""
+    from memfit.ops.attention import block_sparse
+
+    calls = []
+    forward = block_sparse._forward
+    monkeypatch.setattr(block_sparse, "_forward", lambda *a: calls.append(1) or forward(*a))
+    pattern = sparse.longformer(8, [0])
+    (q, k, v), _ = inputs(torch.float32, 40)
+    with triton_on_cpu():
+        compiled = torch.compile(
+            lambda q, k, v: sparse_attention(q, k, v, pattern), backend="eager"
+        )
+        out = compiled(q, k, v)
+    assert calls
+    reference = _dense(q, k, v, sparse.dense_mask(pattern, 40, BLOCK), 24**-0.5)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_patterns_own_tile_size_is_used():
+    """bigbird(block=32): the layout's tiles are the pattern's, without a `block` argument."""
+    pattern = sparse.bigbird(8, [0], 1, block=32, seed=1)
+    (q, k, v), grad = inputs(torch.float32, 77)
+    with triton_on_cpu():
+        out = sparse_attention(q, k, v, pattern)
+    reference = _dense(q, k, v, sparse.dense_mask(pattern, 77), 24**-0.5)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_sequences_with_a_layout_per_head_on_the_plain_path():
+    pattern = sparse.bigbird(8, [0], 1, block=BLOCK, seed=3, heads=4)
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    (q, k, v), _ = inputs(torch.float32, 70, batch=1)
+    out = sparse_attention_varlen(q[0], k[0], v[0], cu, pattern, block=BLOCK)
+    mask = sparse.dense_mask(pattern, 40, BLOCK)
+    first = _dense(q[:, :30], k[:, :30], v[:, :30], mask[..., :30, :30], 24**-0.5)[0]
+    torch.testing.assert_close(out[:30], first)

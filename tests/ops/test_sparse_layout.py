@@ -211,3 +211,8 @@ def test_a_layout_per_head():
     assert torch.equal(user.dense(1) >= 0, blocks[1].bool())
     with pytest.raises(ValueError, match="per-head layouts come from random blocks"):
         sparse.Pattern(window=(4, 0), heads=2)
+
+
+def test_a_dilated_pattern_takes_a_window_only():
+    with pytest.raises(ValueError, match="dilation 2 takes a window only"):
+        sparse.Pattern(window=(4, 0), stride=8, dilation=2)

@@ -103,10 +103,20 @@ class ModelConfig:
             from memfit.ops.attention.sparse import parse
 
             try:
-                parse(self.attention_pattern)
+                pattern = parse(self.attention_pattern)
                 self.sparse_layer_indices()
             except ValueError as error:
                 raise ValueError(f"model {self.name!r}: {error}") from None
+            if not pattern.causal:
+                raise ValueError(
+                    f"model {self.name!r}: attention pattern {self.attention_pattern!r} lets "
+                    "tokens see later ones; a causal language model takes causal patterns"
+                )
+            if self.sliding_window is not None:
+                raise ValueError(
+                    f"model {self.name!r} slides a window of {self.sliding_window} on every "
+                    f"layer: it takes no attention pattern (got {self.attention_pattern!r})"
+                )
         for key in ("rope_theta", "rms_norm_eps", "init_std"):
             value = getattr(self, key)
             if not _is_number(value) or not 0 < value < math.inf:
@@ -395,6 +405,18 @@ def to_hf_config(config: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]
     none, unlike Llama's attention_bias; its window, if any, on every layer), Mistral with a
     sliding window, Llama otherwise."""
     model_type, arch = "llama", "LlamaForCausalLM"
+    if config.attention_pattern is not None:
+        # a local window on every layer is Mistral's sliding window; nothing else has an
+        # equivalent in these configs
+        window = config.attention_window
+        if window is None:
+            raise ValueError(
+                f"model {config.name!r} attends with the sparse pattern "
+                f"{config.attention_pattern!r} on layers {config.pattern_layers}: a Hugging Face "
+                "Llama, Mistral or Qwen2 config has no equivalent (a local:W pattern on every "
+                "layer exports as Mistral's sliding window)"
+            )
+        config = dataclasses.replace(config, attention_pattern=None, sliding_window=window)
     if config.qkv_bias:
         model_type, arch = "qwen2", "Qwen2ForCausalLM"
     elif config.sliding_window is not None:

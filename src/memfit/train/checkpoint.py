@@ -483,7 +483,9 @@ def saved_optimizer(checkpoint: Path) -> str | None:
 
 
 def check_model_matches(meta: dict[str, Any], model_config: ModelConfig, checkpoint: Path) -> None:
-    saved = meta["model"]
+    # (a key a checkpoint lacks was added later: it had the field's default)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved = {**defaults, **meta["model"]}
     current = dataclasses.asdict(model_config)
     differences = [
         f"{key}: checkpoint {saved.get(key)!r} vs this run {value!r}"

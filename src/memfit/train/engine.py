@@ -146,6 +146,12 @@ class Trainer:
         if config.model.attention_pattern:  # (the run's choice, kept in its checkpoints' meta)
             from memfit.ops.attention.sparse import SPEC_BLOCK, parse
 
+            if pretrained_directory(config.model.name) is not None:
+                raise ConfigError(
+                    f"model.attention_pattern with the Hugging Face checkpoint "
+                    f"{config.model.name!r} is not supported yet: its config.json builds the "
+                    "model (train a preset or a config.json with the pattern instead)"
+                )
             try:
                 self.model_config = dataclasses.replace(
                     self.model_config,

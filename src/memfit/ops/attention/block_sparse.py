@@ -31,7 +31,8 @@ import math
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import HAS_TRITON, interpreter_enabled, launch, tl, triton, use_triton_on
+import memfit.ops._triton as _triton
+from memfit.ops._triton import HAS_TRITON, interpreter_enabled, launch, tl, triton
 from memfit.ops.attention.launch import LOG2E, _layout, delta_and_lse2
 from memfit.ops.attention.sparse import NO_LIMIT, BlockLayout, Pattern, block_layout, dense_mask
 from memfit.ops.attention.tiles import _dot, _sequence, _to_dtype
@@ -342,10 +343,17 @@ def _geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int
     return batch, q.shape[-2], k.shape[-2], q.shape[-1]
 
 
+def _kernels_on(device: torch.device) -> bool:
+    """Whether the kernels run for tensors on `device`: CUDA (also while torch.compile traces:
+    the call is then left out of the graph, `_run`), CPU under `triton_on_cpu()`."""
+    cpu = device.type == "cpu" and _triton._cpu_requested
+    return HAS_TRITON and (device.type == "cuda" or cpu)
+
+
 def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
     batch, heads, heads_kv, head_dim = _geometry(q, k, cu_seqlens)
     varlen = cu_seqlens is not None
-    out = torch.zeros_like(q)
+    out = torch.empty_like(q)  # (every row is stored)
     lse_shape = (heads, q.shape[0]) if varlen else (batch, heads, q.shape[1])
     lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
@@ -370,7 +378,7 @@ def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
 def _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scale):
     batch, heads, heads_kv, head_dim = _geometry(q, k, cu_seqlens)
     varlen = cu_seqlens is not None
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (all stored)
     if q.numel() == 0:
         return dq, dk, dv
     if dout.stride(-1) != 1:
@@ -463,14 +471,23 @@ def sparse_attention(
             f"the pattern has a layout for each of {pattern.heads} heads, q has {heads} heads"
         )
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
-    kernels = HAS_TRITON and use_triton_on(q.device)
-    if block is None:
-        block = INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK
+    kernels = _kernels_on(q.device)
+    block = block or pattern.block or (INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
     pattern.check(seqlen, block)
     if not kernels:
         return _dense(q, k, v, dense_mask(pattern, seqlen, block).to(q.device), scale)
+    return _run(q, k, v, pattern, block, scale)
+
+
+@torch.compiler.disable
+def _run(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, block: int, scale: float) -> Tensor:
+    """The kernels on batched sequences, outside torch.compile's graphs (a graph break around
+    them, as memfit's other Triton ops have: a compiled block runs the kernels instead of
+    tracing the dense fallback). A dilated pattern regroups the tokens into its interleaved
+    subsequences, one after another in the batch, and back."""
+    batch, seqlen = q.shape[:2]
     dilation = pattern.dilation
-    if dilation > 1:  # the interleaved subsequences, one after another in the batch
+    if dilation > 1:
 
         def split(t):
             return t.unflatten(1, (seqlen // dilation, dilation)).transpose(1, 2).flatten(0, 1)
@@ -497,7 +514,8 @@ def sparse_attention_varlen(
     """`sparse_attention` over packed sequences of different lengths (no token sees another
     sequence's): q (total, heads, dim), k, v (total, heads_kv, dim); sequence b is rows
     cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1 entries from 0). Every sequence walks the
-    layout of the longest (`max_seqlen`, from cu_seqlens when not given) from its own start:
+    layout of the longest from its own start (`max_seqlen`: at least the longest length; from
+    cu_seqlens, with one host sync, when not given; given, it is trusted):
     positions, global tokens and random blocks are per sequence. Dilated patterns take batched
     sequences (`sparse_attention`)."""
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
@@ -520,27 +538,37 @@ def sparse_attention_varlen(
             "a dilated pattern takes batched sequences (sparse_attention), each a multiple of "
             f"the dilation {pattern.dilation} long"
         )
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    if cu_seqlens[0] != 0 or min(lengths) < 0 or cu_seqlens[-1] != q.shape[0]:
-        raise ValueError(
-            f"cu_seqlens must start at 0, grow, and end at the {q.shape[0]} packed rows"
-        )
+    if max_seqlen is None:  # (checked on the host once: one sync; a caller passing it, none)
+        offsets = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        if offsets[0] != 0 or min(lengths) < 0 or offsets[-1] != q.shape[0]:
+            raise ValueError(
+                f"cu_seqlens must start at 0, grow, and end at the {q.shape[0]} packed rows"
+            )
+        max_seqlen = max(lengths)
     if pattern.heads not in (1, q.shape[1]):
         raise ValueError(
             f"the pattern has a layout for each of {pattern.heads} heads, q has {q.shape[1]} heads"
         )
-    max_seqlen = max(lengths) if max_seqlen is None else max_seqlen
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    if block is None:
-        block = INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK
+    block = block or pattern.block or (INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
     pattern.check(max_seqlen, block)
-    if not (HAS_TRITON and use_triton_on(q.device)):
+    if not _kernels_on(q.device):
+        offsets = cu_seqlens.tolist()
+        if max(b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)) > max_seqlen:
+            raise ValueError(f"a sequence is longer than max_seqlen = {max_seqlen}")
         mask = dense_mask(pattern, max_seqlen, block).to(q.device)
         pieces = [
-            _dense(q[None, a:b], k[None, a:b], v[None, a:b], mask[: b - a, : b - a], scale)[0]
-            for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)
+            _dense(q[None, a:b], k[None, a:b], v[None, a:b], mask[..., : b - a, : b - a], scale)[0]
+            for a, b in zip(offsets[:-1], offsets[1:], strict=True)
         ]
         return torch.cat(pieces)
+    return _run_varlen(q, k, v, cu_seqlens, pattern, max_seqlen, block, scale)
+
+
+@torch.compiler.disable
+def _run_varlen(q, k, v, cu_seqlens, pattern, max_seqlen, block, scale) -> Tensor:
+    """`_run` for packed sequences."""
     layout = block_layout(pattern, max_seqlen, block, q.device)
     return _SparseAttention.apply(q, k, v, pattern, layout, cu_seqlens, max_seqlen, scale)
 

@@ -107,6 +107,13 @@ class Pattern:
                 f"stride and random_blocks must be >= 0 and dilation >= 1, got stride "
                 f"{self.stride}, random_blocks {self.random_blocks}, dilation {self.dilation}"
             )
+        if self.dilation > 1 and (
+            self.stride or self.global_tokens or self.random_blocks or self.blocks is not None
+        ):
+            raise ValueError(
+                f"dilation {self.dilation} takes a window only (the interleaved subsequences' "
+                "band): no strided columns, global tokens or blocks"
+            )
         if any(t < 0 for t in self.global_tokens):
             raise ValueError(f"global token positions must be >= 0, got {self.global_tokens}")
         if (self.random_blocks or self.blocks is not None) and self.block is None:
@@ -434,20 +441,45 @@ def _candidates(pattern: Pattern, seqlen: int, block: int, tiles: int, device) -
 
 def _classify(pattern: Pattern, pairs: Tensor, seqlen: int, block: int) -> tuple[Tensor, Tensor]:
     """For each candidate tile: whether any pair is allowed, and whether every in-bounds pair
-    is, evaluated on the tile's tokens in batches."""
+    is (FULL; a tile the rule's union happens to fill may come out RULE, which masks nothing
+    wrong). Decided from the tile's bounds where they suffice -- inside the band, or strictly
+    below the causal diagonal (any tile, bidirectional) and touching the band, a strided
+    column or a global token's row or column -- and token by token, in batches, for the rest
+    (the diagonal's tiles): a 128k-token layout costs seconds, not minutes."""
+    rows, cols = pairs[:, 0], pairs[:, 1]
+    row_lo, row_hi = rows * block, (rows * block + block - 1).clamp(max=seqlen - 1)
+    col_lo, col_hi = cols * block, (cols * block + block - 1).clamp(max=seqlen - 1)
+    below = cols < rows if pattern.causal else torch.ones_like(rows, dtype=torch.bool)
+    full = torch.zeros_like(below)
+    touched = torch.zeros_like(below)
+    if pattern.window is not None:
+        left, right = pattern.window
+        full = (col_lo - row_hi >= -left) & (col_hi - row_lo <= right)
+        if pattern.causal:
+            full &= col_hi <= row_lo
+        touched |= (col_hi - row_lo >= -left) & (col_lo - row_hi <= right)
+    if pattern.stride:
+        first = (col_lo + pattern.stride) // pattern.stride * pattern.stride - 1  # (>= col_lo)
+        touched |= first <= col_hi
+    if pattern.global_tokens:
+        tiles = torch.zeros(-(-seqlen // block), dtype=torch.bool)
+        tiles[[t // block for t in pattern.global_tokens if t < seqlen]] = True
+        touched |= tiles[cols] | tiles[rows]
+    decided = full | (below & touched)
+    any_allowed, all_allowed = decided.clone(), full.clone()
+    rest = (~decided).nonzero().flatten()
     offsets = torch.arange(block, device=pairs.device)
-    any_allowed = [torch.zeros(0, dtype=torch.bool)]
-    all_allowed = [torch.zeros(0, dtype=torch.bool)]
     step = max(1, _PAIRS_PER_BATCH // (block * block))
-    for start in range(0, len(pairs), step):
-        chunk = pairs[start : start + step]
+    for start in range(0, len(rest), step):
+        index = rest[start : start + step]
+        chunk = pairs[index]
         i = (chunk[:, 0:1] * block + offsets[None, :])[:, :, None]  # (n, B, 1)
         j = (chunk[:, 1:2] * block + offsets[None, :])[:, None, :]  # (n, 1, B)
         allowed = _rule(pattern, i, j, seqlen)
         inside = (i < seqlen) & (j < seqlen)
-        any_allowed.append(allowed.flatten(1).any(1))
-        all_allowed.append((allowed | ~inside).flatten(1).all(1))
-    return torch.cat(any_allowed), torch.cat(all_allowed)
+        any_allowed[index] = allowed.flatten(1).any(1)
+        all_allowed[index] = (allowed | ~inside).flatten(1).all(1)
+    return any_allowed, all_allowed
 
 
 def _whole_blocks(
@@ -481,6 +513,12 @@ def block_layout(
 
 @functools.lru_cache(maxsize=64)
 def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> BlockLayout:
+    if device != "cpu":  # (built once on the host: the planner's copy, then moved)
+        host = _block_layout(pattern, seqlen, block, "cpu")
+        return BlockLayout(**{
+            name: value.to(device) if isinstance(value, Tensor) else value
+            for name, value in vars(host).items()
+        })  # fmt: skip
     tiles = -(-seqlen // block)
     pairs = _candidates(pattern, seqlen, block, tiles, "cpu")
     seen, whole = _classify(pattern, pairs, seqlen, block)
