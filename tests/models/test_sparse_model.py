@@ -124,3 +124,34 @@ def test_a_checkpoint_from_before_the_pattern_fields_still_matches(tmp_path):
     meta = {"model": {k: v for k, v in dataclasses.asdict(config).items()
                       if k not in ("attention_pattern", "pattern_layers")}}  # fmt: skip
     check_model_matches(meta, config, tmp_path)
+
+
+def test_a_hugging_face_checkpoint_trains_with_a_pattern(tmp_path):
+    """--attention-pattern on a Hugging Face checkpoint: its weights, the run's pattern."""
+    from memfit.config import build_config
+    from memfit.models import load_pretrained
+    from memfit.train.engine import Trainer
+    from tests.models.test_loading import _write_checkpoint, _write_tokenizer
+
+    base = tmp_path / "base"
+    _write_checkpoint(base)
+    _write_tokenizer(base)
+    spec = "longformer:8:globals=0"
+    model, info = load_pretrained(
+        base, device="cpu", dtype=torch.float32, config_changes={"attention_pattern": spec}
+    )
+    assert info.config.attention_pattern == spec
+    assert all(block.attention.pattern is not None for block in model.layers)
+    dense, _ = load_pretrained(base, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(0, 6, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(model(tokens), dense(tokens))  # (40 tokens: past the window)
+    assert torch.allclose(model(tokens[:, :8]), dense(tokens[:, :8]), atol=1e-6)
+    trainer = Trainer(build_config(flags={
+        "model": {"name": str(base), "attention_pattern": spec},
+        "data": {"seq_len": 32},
+        "train": {"steps": 1, "micro_batch": 2, "device": "cpu", "precision": "fp32"},
+        "checkpoint": {"out": str(tmp_path / "run")},
+    }))  # fmt: skip
+    assert all(block.attention.pattern is not None for block in trainer.model.layers)
+    assert trainer.model_config.attention_pattern == spec
+    assert torch.isfinite(torch.tensor(trainer.train_step().loss))

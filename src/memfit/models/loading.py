@@ -28,6 +28,7 @@ are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -148,8 +149,11 @@ def load_pretrained(
     attention: str = "auto",
     prepare: Callable[[torch.nn.Module], None] | None = None,
     on_block: Callable[[torch.nn.Module, int], None] | None = None,
+    config_changes: dict[str, Any] | None = None,
 ) -> tuple[torch.nn.Module, PretrainedInfo]:
     """The model in `path`, in eval mode, its weights in `dtype` on `device`, and its info.
+    `config_changes`: ModelConfig fields that do not change the weights, set on a Hugging Face
+    checkpoint's config (a sparse attention pattern: `attention_pattern`, `pattern_layers`).
 
     For a Hugging Face checkpoint, `prepare(model)` is called on the model while it is still on
     the meta device (before any weight is read), and with `on_block` the blocks' weights are
@@ -175,8 +179,10 @@ def load_pretrained(
         )
     device = torch.device(device)
     if (directory / "config.json").is_file():
-        return _load_huggingface(directory, device, dtype, attention, prepare, on_block)
-    if prepare is not None or on_block is not None:
+        return _load_huggingface(
+            directory, device, dtype, attention, prepare, on_block, config_changes or {}
+        )
+    if prepare is not None or on_block is not None or config_changes:
         raise ValueError(f"{str(directory)!r} is no Hugging Face checkpoint (no config.json)")
     checkpoint = find_checkpoint(directory)
     if checkpoint is not None:
@@ -259,10 +265,13 @@ def _load_huggingface(
     directory: Path, device: torch.device, dtype: torch.dtype, attention: str,
     prepare: Callable[[torch.nn.Module], None] | None = None,
     on_block: Callable[[torch.nn.Module, int], None] | None = None,
+    config_changes: dict[str, Any] | None = None,
 ) -> tuple[torch.nn.Module, PretrainedInfo]:  # fmt: skip
     from memfit.models import get_family
 
     config = from_hf_config(directory)
+    if config_changes:
+        config = dataclasses.replace(config, **config_changes)
     hf_config = json.loads((directory / "config.json").read_text())
     _check_causal_lm(hf_config, directory)
     files = _safetensors_files(directory)

@@ -146,12 +146,6 @@ class Trainer:
         if config.model.attention_pattern:  # (the run's choice, kept in its checkpoints' meta)
             from memfit.ops.attention.sparse import SPEC_BLOCK, parse
 
-            if pretrained_directory(config.model.name) is not None:
-                raise ConfigError(
-                    f"model.attention_pattern with the Hugging Face checkpoint "
-                    f"{config.model.name!r} is not supported yet: its config.json builds the "
-                    "model (train a preset or a config.json with the pattern instead)"
-                )
             try:
                 self.model_config = dataclasses.replace(
                     self.model_config,
@@ -247,8 +241,13 @@ class Trainer:
 
             # LoRA keeps the frozen base in the compute dtype: read it so, never in fp32 whole
             dtype = DTYPES[self.precision] if lora is not None else torch.float32
+            pattern = {
+                "attention_pattern": self.model_config.attention_pattern,
+                "pattern_layers": self.model_config.pattern_layers,
+            }  # (the run's sparse attention, if any: the checkpoint's weights do not change)
             self.model, _ = load_pretrained(
                 self.pretrained, device=self.device, dtype=dtype, attention=attention,
+                config_changes=pattern if config.model.attention_pattern else None,
                 **(self._qlora_hooks(lora) if qlora else {}),
             )  # fmt: skip
             logger.info("weights from %s (%s)", self.pretrained, dtype)
