@@ -97,11 +97,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             run["records"].append(row)
             print(row, flush=True)
-    if args.out is not None:
-        from pathlib import Path
-
-        harness.RESULTS = Path(args.out)
-    print(f"results: {harness.append_results('distill', run)}")
+    print(f"results: {harness.append_results('distill', run, args.out)}")
 
 
 if __name__ == "__main__":

@@ -155,9 +155,11 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def append_results(name: str, run: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def append_results(name: str, run: dict, out: str | Path | None = None) -> Path:
+    """Append `run` to RESULTS/name.json, or to out/name.json (a GPU machine's $OUT)."""
+    folder = Path(out) if out is not None else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     runs = json.loads(path.read_text()) if path.exists() else []
     runs.append(run)
     path.write_text(json.dumps(runs, indent=2) + "\n")

@@ -215,11 +215,7 @@ def main() -> None:
             )
             print(model, system, {k: v for k, v in row.items() if k != "adapter_dtypes"},
                   flush=True)  # fmt: skip
-    if args.out is not None:
-        from pathlib import Path
-
-        harness.RESULTS = Path(args.out)
-    print(f"results: {harness.append_results('lora', run)}")
+    print(f"results: {harness.append_results('lora', run, args.out)}")
 
 
 if __name__ == "__main__":

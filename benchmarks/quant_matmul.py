@@ -100,11 +100,7 @@ def main() -> None:
                     run["records"].append(row)
                     print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()},
                           flush=True)  # fmt: skip
-    if args.out is not None:
-        from pathlib import Path
-
-        harness.RESULTS = Path(args.out)
-    print(f"results: {harness.append_results('quant_matmul', run)}")
+    print(f"results: {harness.append_results('quant_matmul', run, args.out)}")
 
 
 if __name__ == "__main__":

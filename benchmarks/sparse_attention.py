@@ -183,11 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.train:
         run = {"env": harness.environment(), "records": train_rows(16384, args.train_steps)}
-        if args.out is not None:
-            from pathlib import Path
-
-            harness.RESULTS = Path(args.out)
-        print(f"results: {harness.append_results('sparse_attention_train', run)}")
+        print(f"results: {harness.append_results('sparse_attention_train', run, args.out)}")
         return
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -240,11 +236,7 @@ def main() -> None:
             row["seqlen"] = n
             run["records"].append(row)
             print(row, flush=True)
-    if args.out is not None:
-        from pathlib import Path
-
-        harness.RESULTS = Path(args.out)
-    print(f"results: {harness.append_results('sparse_attention', run)}")
+    print(f"results: {harness.append_results('sparse_attention', run, args.out)}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,13 @@ def use_triton_on(device: torch.device) -> bool:
     return device.type == "cpu" and _cpu_requested
 
 
+def kernels_requested(device: torch.device) -> bool:
+    """`use_triton_on` without its torch.compile exception: for an op that keeps its kernels
+    under torch.compile (outside the graph, torch.compiler.disable) because no plain path
+    Inductor could fuse replaces them (block-sparse attention)."""
+    return HAS_TRITON and (device.type == "cuda" or (device.type == "cpu" and _cpu_requested))
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     return use_triton_on(tensor.device)
 

@@ -269,6 +269,20 @@ def _accumulate_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
         accumulator.add_(a @ b)
 
 
+def row_targets(targets: Tensor, vocab_size: int, ignore_index: int, who: str) -> Tensor:
+    """`targets` as the row kernels read them: int64 with unit stride, each in [0, vocab_size)
+    or ignore_index (else ValueError, whose message starts with `who`; one host-device
+    sync)."""
+    targets = targets.long().contiguous()
+    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if out_of_range.any():
+        raise ValueError(
+            f"{who} in [0, {vocab_size}) or ignore_index={ignore_index}, got target "
+            f"{targets[out_of_range][0].item()}"
+        )
+    return targets
+
+
 def _autocast_disabled(device_type: str) -> contextlib.AbstractContextManager:
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
@@ -560,13 +574,7 @@ def linear_cross_entropy(
             f"linear_cross_entropy expects compute_dtype in {list(_COMPUTE_DTYPES)}, got "
             f"{compute_dtype}"
         )
-    targets = targets.long().contiguous()  # (the row kernel reads it with unit stride)
-    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-    if out_of_range.any():  # one host-device sync
-        raise ValueError(
-            f"linear_cross_entropy expects targets in [0, {vocab_size}) or "
-            f"ignore_index={ignore_index}, got target {targets[out_of_range][0].item()}"
-        )
+    targets = row_targets(targets, vocab_size, ignore_index, "linear_cross_entropy expects targets")
 
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if not needs_grad:

@@ -54,7 +54,12 @@ import torch
 from torch import Tensor
 
 from memfit.ops._triton import HAS_TRITON, launch, round_to_bf16, tl, triton, use_triton_on
-from memfit.ops.cross_entropy import _accumulate_matmul, _autocast_disabled, _matmul_wide
+from memfit.ops.cross_entropy import (
+    _accumulate_matmul,
+    _autocast_disabled,
+    _matmul_wide,
+    row_targets,
+)
 
 IGNORE_INDEX = -100
 # The row kernel on CUDA: off until its GPU twin (tests/ops/test_distill.py, `-k cuda`) has
@@ -70,6 +75,19 @@ def _log_mean_exp(log_p, log_q):
     """log((p + q) / 2) from log p and log q (finite)."""
     high = tl.maximum(log_p, log_q)
     return high + tl.log(1.0 + tl.exp(tl.minimum(log_p, log_q) - high)) - 0.6931471805599453
+
+
+@triton.jit
+def _store_grad(
+    grad_ptr, columns, mask, s, lse_1, target, alpha, soft_grad, ROUND_BF16_BY_HAND: tl.constexpr
+):
+    """Write d loss / d s = (1 - alpha) (softmax(s) - onehot(target)) + alpha soft_grad."""
+    hard = tl.exp(s - lse_1)
+    hard = tl.where(columns == target, hard - 1.0, hard)
+    grad = (1.0 - alpha) * hard + alpha * soft_grad
+    if ROUND_BF16_BY_HAND:
+        grad = round_to_bf16(grad)
+    tl.store(grad_ptr + columns, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -165,12 +183,10 @@ def _distill_rows_kernel(
             qu_sum += tl.sum(tl.where(mask, 0.5 * q * (log_q - log_m), 0.0), 0)
         else:
             soft_sum += tl.sum(tl.where(mask, p * (log_p - log_q), 0.0), 0)
-            hard = tl.exp(s - lse_1)
-            hard = tl.where(columns == target, hard - 1.0, hard)
-            grad = (1.0 - alpha) * hard + alpha * temperature * (q - p)
-            if ROUND_BF16_BY_HAND:
-                grad = round_to_bf16(grad)
-            tl.store(grad_ptr + columns, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            _store_grad(
+                grad_ptr, columns, mask, s, lse_1, target, alpha, temperature * (q - p),
+                ROUND_BF16_BY_HAND,
+            )  # fmt: skip
     loss = (1.0 - alpha) * cross_entropy + alpha * temperature * temperature * soft_sum
     tl.store(losses_ptr + row, loss)
 
@@ -184,14 +200,8 @@ def _distill_rows_kernel(
             t = tl.load(t_ptr + columns, mask=mask, other=0.0)
             log_q = s * inverse_t - lse_q
             log_m = _log_mean_exp(t * inverse_t - lse_p, log_q)
-            q = tl.exp(log_q)
-            hard = tl.exp(s - lse_1)
-            hard = tl.where(columns == target, hard - 1.0, hard)
-            soft = q * (0.5 * (log_q - log_m) - qu_sum)
-            grad = (1.0 - alpha) * hard + alpha * temperature * soft
-            if ROUND_BF16_BY_HAND:
-                grad = round_to_bf16(grad)
-            tl.store(grad_ptr + columns, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            soft = temperature * tl.exp(log_q) * (0.5 * (log_q - log_m) - qu_sum)
+            _store_grad(grad_ptr, columns, mask, s, lse_1, target, alpha, soft, ROUND_BF16_BY_HAND)
 
 
 def _use_kernel(device: torch.device, compute_dtype: torch.dtype) -> bool:
@@ -348,13 +358,7 @@ def linear_distillation_loss(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
-    targets = targets.long().contiguous()  # (the row kernel reads it with unit stride)
-    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if out_of_range.any():  # one host-device sync
-        raise ValueError(
-            f"targets must be in [0, {vocab}) or ignore_index={ignore_index}, got target "
-            f"{targets[out_of_range][0].item()}"
-        )
+    targets = row_targets(targets, vocab, ignore_index, "targets must be")
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
         compute_dtype = torch.get_autocast_dtype(device_type)

@@ -31,13 +31,12 @@ import math
 import torch
 from torch import Tensor
 
-import memfit.ops._triton as _triton
-from memfit.ops._triton import HAS_TRITON, interpreter_enabled, launch, tl, triton
+from memfit.ops._triton import interpreter_enabled, kernels_requested, launch, tl, triton
 from memfit.ops.attention.launch import LOG2E, _layout, delta_and_lse2
 from memfit.ops.attention.sparse import NO_LIMIT, BlockLayout, Pattern, block_layout, dense_mask
 from memfit.ops.attention.tiles import _dot, _sequence, _to_dtype
 
-__all__ = ["layout_of", "sparse_attention", "sparse_attention_varlen"]
+__all__ = ["sparse_attention", "sparse_attention_varlen"]
 
 # tile size on GPUs (square: the layout's) and under the interpreter
 GPU_BLOCK = 64
@@ -70,6 +69,25 @@ def _keep(
         rule = rule & (cols <= rows)
     keep = tl.where(kind == 0, cols >= 0, tl.where(kind == 2, cols <= rows, rule))
     return keep & (cols < seqlen) & (rows < seqlen)
+
+
+@triton.jit
+def _key_tile(
+    INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok, seqlen,
+    GLOBAL, left, right, BLOCK: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+):  # fmt: skip
+    """Entry i of a query tile's layout row: its key tile's k and v (zeros past the end) and
+    which (query, key) pairs of it are attended."""
+    cols = tl.load(INDICES + i) * BLOCK + tl.arange(0, BLOCK)
+    kv_mask = (cols[:, None] < seqlen) & d_ok
+    k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    keep = _keep(
+        offs_m[:, None], cols[None, :], tl.load(KINDS + i), seqlen, GLOBAL, left, right, STRIDE,
+        IS_CAUSAL, HAS_GLOBAL,
+    )  # fmt: skip
+    return k, v, keep
 
 
 @triton.jit
@@ -113,17 +131,11 @@ def _sparse_fwd_kernel(
     lo = tl.load(INDPTR + tile)
     hi = tl.load(INDPTR + tile + 1)
     for i in range(lo, hi):
-        start_n = tl.load(INDICES + i) * BLOCK
-        kind = tl.load(KINDS + i)
-        cols = start_n + tl.arange(0, BLOCK)
-        kv_mask = (cols[:, None] < seqlen) & d_ok
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), None, INTERPRET)
-        keep = _keep(
-            offs_m[:, None], cols[None, :], kind, seqlen, GLOBAL, left, right, STRIDE,
-            IS_CAUSAL, HAS_GLOBAL,
+        k, v, keep = _key_tile(
+            INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok,
+            seqlen, GLOBAL, left, right, BLOCK, STRIDE, IS_CAUSAL, HAS_GLOBAL,
         )  # fmt: skip
+        qk = _dot(q, tl.trans(k), None, INTERPRET)
         qk = tl.where(keep, qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # (a row that has seen no key yet)
@@ -301,18 +313,12 @@ def _sparse_dq_kernel(
     lo = tl.load(INDPTR + tile)
     hi = tl.load(INDPTR + tile + 1)
     for i in range(lo, hi):
-        start_n = tl.load(INDICES + i) * BLOCK
-        kind = tl.load(KINDS + i)
-        cols = start_n + tl.arange(0, BLOCK)
-        kv_mask = (cols[:, None] < seqlen) & d_ok
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v, keep = _key_tile(
+            INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok,
+            seqlen, GLOBAL, left, right, BLOCK, STRIDE, IS_CAUSAL, HAS_GLOBAL,
+        )  # fmt: skip
         qk = _dot(q, tl.trans(k), None, INTERPRET)
         dp = _dot(do, tl.trans(v), None, INTERPRET)
-        keep = _keep(
-            offs_m[:, None], cols[None, :], kind, seqlen, GLOBAL, left, right, STRIDE,
-            IS_CAUSAL, HAS_GLOBAL,
-        )  # fmt: skip
         p = tl.where(keep, tl.math.exp2(qk * qk_scale - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
         dq = _dot(_to_dtype(ds, k.dtype, INTERPRET), k, dq, INTERPRET)
@@ -346,8 +352,7 @@ def _geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int
 def _kernels_on(device: torch.device) -> bool:
     """Whether the kernels run for tensors on `device`: CUDA (also while torch.compile traces:
     the call is then left out of the graph, `_run`), CPU under `triton_on_cpu()`."""
-    cpu = device.type == "cpu" and _triton._cpu_requested
-    return HAS_TRITON and (device.type == "cuda" or cpu)
+    return kernels_requested(device)
 
 
 def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
@@ -442,6 +447,21 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tenso
     return torch.einsum("bhqk,bkhd->bqhd", weights, v.to(wide)).to(q.dtype)
 
 
+def _settle(
+    pattern: Pattern, seqlen: int, q: Tensor, block: int | None, softmax_scale: float | None
+) -> tuple[int, float]:
+    """(tile size, softmax scale) of a call, the pattern checked against the sequence and q's
+    heads (q: (..., heads, dim))."""
+    heads, dim = q.shape[-2], q.shape[-1]
+    if pattern.heads not in (1, heads):
+        raise ValueError(
+            f"the pattern has a layout for each of {pattern.heads} heads, q has {heads} heads"
+        )
+    block = block or pattern.block or (INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
+    pattern.check(seqlen, block)
+    return block, 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
+
+
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -466,15 +486,8 @@ def sparse_attention(
             f"k and v must have q's batch, length and head dim, and heads_kv dividing its "
             f"{heads} heads: got q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
-    if pattern.heads not in (1, heads):
-        raise ValueError(
-            f"the pattern has a layout for each of {pattern.heads} heads, q has {heads} heads"
-        )
-    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
-    kernels = _kernels_on(q.device)
-    block = block or pattern.block or (INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
-    pattern.check(seqlen, block)
-    if not kernels:
+    block, scale = _settle(pattern, seqlen, q, block, softmax_scale)
+    if not _kernels_on(q.device):
         return _dense(q, k, v, dense_mask(pattern, seqlen, block).to(q.device), scale)
     return _run(q, k, v, pattern, block, scale)
 
@@ -546,13 +559,7 @@ def sparse_attention_varlen(
                 f"cu_seqlens must start at 0, grow, and end at the {q.shape[0]} packed rows"
             )
         max_seqlen = max(lengths)
-    if pattern.heads not in (1, q.shape[1]):
-        raise ValueError(
-            f"the pattern has a layout for each of {pattern.heads} heads, q has {q.shape[1]} heads"
-        )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    block = block or pattern.block or (INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
-    pattern.check(max_seqlen, block)
+    block, scale = _settle(pattern, max_seqlen, q, block, softmax_scale)
     if not _kernels_on(q.device):
         offsets = cu_seqlens.tolist()
         if max(b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)) > max_seqlen:
@@ -571,8 +578,3 @@ def _run_varlen(q, k, v, cu_seqlens, pattern, max_seqlen, block, scale) -> Tenso
     """`_run` for packed sequences."""
     layout = block_layout(pattern, max_seqlen, block, q.device)
     return _SparseAttention.apply(q, k, v, pattern, layout, cu_seqlens, max_seqlen, scale)
-
-
-def layout_of(pattern: Pattern, seqlen: int, block: int = GPU_BLOCK) -> BlockLayout:
-    """The layout `sparse_attention` walks for `pattern` at this length (the planner's input)."""
-    return block_layout(pattern, seqlen, block)
