@@ -7,9 +7,8 @@ vocabulary of 128,256, N tokens (default 8192 and 16384), bf16 autocast, the stu
 
 - "unfused": logits = hidden @ W^T for both models (bf16), F.cross_entropy on the student's and
   F.kl_div between the log-softmaxes in fp32, as a user writes it; autograd keeps what it needs.
-- "memfit plain": memfit.ops.distill with its per-row work in PyTorch (the path on CUDA until
-  the row kernel's GPU twin has passed).
-- "memfit kernel": the same with the Triton row kernel (KERNEL_ON_CUDA on).
+- "memfit plain": memfit.ops.distill with its per-row work in PyTorch (KERNEL_ON_CUDA off).
+- "memfit kernel": the same with the Triton row kernel (KERNEL_ON_CUDA on, the default).
 
     python benchmarks/distill.py --tokens 8192 16384
 

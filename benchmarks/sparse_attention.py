@@ -12,6 +12,10 @@ block mask built once per shape, outside the timing):
     longformer  bidirectional window of 256 each side + 64 global tokens (the first 64)
     bigbird     bidirectional, tiles of 128: 3-tile window, 2 global tiles, 3 random tiles
 
+Systems: "memfit" (memfit.sparse_attention: a pattern that is only a window, local and
+dilated, runs FlashAttention's banded kernels, the others the block-sparse kernels), "memfit
+block-sparse kernels" (the window-only patterns on the block-sparse kernels too), "flex".
+
     python benchmarks/sparse_attention.py                       # N = 16k and 64k
     python benchmarks/sparse_attention.py --lengths 4096 16384 65536 131072 --systems memfit
     python benchmarks/sparse_attention.py --train                # llama-1b training at 16k
@@ -33,7 +37,8 @@ import argparse
 import harness
 import torch
 
-from memfit.ops.attention import flash_attention, sparse, sparse_attention
+from memfit.ops.attention import block_sparse, flash_attention, sparse, sparse_attention
+from memfit.ops.attention.block_sparse import GPU_BLOCK
 from memfit.ops.attention.sparse import CAUSAL, FULL
 
 HEADS, DIM = 16, 128
@@ -126,6 +131,7 @@ TRAIN_PATTERNS = {
 
 def train_rows(seqlen: int, steps: int) -> list[dict]:
     import dataclasses
+    import gc
     import json
     import tempfile
     import time
@@ -141,9 +147,11 @@ def train_rows(seqlen: int, steps: int) -> list[dict]:
         model = dataclasses.replace(PRESETS["llama-1b"], max_seq_len=seqlen)
         config_json.write_text(json.dumps(to_hf_config(model)))
         for name, spec in TRAIN_PATTERNS.items():
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             row = {"pattern": name, "system": "memfit train", "seqlen": seqlen, "spec": spec}
+            row["allocated_before_gib"] = torch.cuda.memory_allocated() / 2**30
             try:
                 trainer = Trainer(build_config(flags={
                     "model": {"name": str(config_json), "attention_pattern": spec},
@@ -163,7 +171,7 @@ def train_rows(seqlen: int, steps: int) -> list[dict]:
                 row["tokens_per_s"] = seqlen / harness.median(times)
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 del trainer
-            except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+            except Exception as error:
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows.append(row)
             print(row, flush=True)
@@ -176,7 +184,9 @@ def main() -> None:
     parser.add_argument(
         "--patterns", nargs="+", default=["local", "strided", "dilated", "longformer", "bigbird"]
     )
-    parser.add_argument("--systems", nargs="+", default=["memfit", "flex"])
+    parser.add_argument(
+        "--systems", nargs="+", default=["memfit", "memfit block-sparse kernels", "flex"]
+    )
     parser.add_argument("--train", action="store_true", help="the llama-1b training rows")
     parser.add_argument("--train-steps", type=int, default=6)
     parser.add_argument("--out", default=None)
@@ -187,6 +197,10 @@ def main() -> None:
         return
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # (each pattern, length and grad mode compiles Flex anew: past dynamo's default limit of 8
+    # it would fall back to its unfused path, which materializes the scores)
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     flex = torch.compile(flex_attention)
     run = {"env": harness.environment(), "heads": HEADS, "head_dim": DIM, "records": []}
     for n in args.lengths:
@@ -203,19 +217,22 @@ def main() -> None:
         except torch.OutOfMemoryError as error:
             dense["error"] = str(error)[:200]
         rows.append(dense)
+        print(dense | {"seqlen": n}, flush=True)
         for name in args.patterns:
             pattern = patterns(n)[name]
             for system in args.systems:
                 row = {"pattern": name, "system": system}
+                kernels = system == "memfit block-sparse kernels"
+                if kernels and not block_sparse._window_only(pattern):
+                    continue  # (the same as "memfit": only a window runs FlashAttention)
+                block_sparse.WINDOWS_TO_FLASH = not kernels
                 try:
-                    if system == "memfit":
-                        block = block_of(pattern)
-                        sparse.block_layout(pattern, n, block, "cuda")  # (built once, untimed)
-                        row["density"] = sparse.block_layout(pattern, n, block, "cuda").density
+                    if system.startswith("memfit"):  # (its layout built once, untimed)
+                        tile = sparse.tile_for(pattern, GPU_BLOCK)
+                        row["density"] = sparse.block_layout(pattern, n, tile, "cuda").density
                         row |= measure(
-                            lambda q, k, v, p=pattern, b=block: sparse_attention(q, k, v, p, block=b),
-                            (q, k, v, dout),
-                        )  # fmt: skip
+                            lambda q, k, v, p=pattern: sparse_attention(q, k, v, p), (q, k, v, dout)
+                        )
                     else:
                         mask = create_block_mask(
                             flex_mask_mod(pattern, n), None, None, n, n, device="cuda",
@@ -228,14 +245,14 @@ def main() -> None:
                             ).transpose(1, 2),
                             (q, k, v, dout),
                         )  # fmt: skip
-                except (torch.OutOfMemoryError, RuntimeError) as error:
+                except Exception as error:  # (Triton's OutOfResources too: kept as a row)
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 rows.append(row)
+                print(row | {"seqlen": n}, flush=True)
                 torch.cuda.empty_cache()
         for row in rows:
             row["seqlen"] = n
             run["records"].append(row)
-            print(row, flush=True)
     print(f"results: {harness.append_results('sparse_attention', run, args.out)}")
 
 

@@ -21,6 +21,8 @@ PATTERNS = {
     "dilated": (sparse.dilated(4, window=6), 80),
     "only itself": (sparse.local(1), 40),
     "bigbird per head": (sparse.bigbird(8, [0], 2, block=BLOCK, seed=4, heads=4), 77),
+    # (random blocks of 2 x 2 tiles)
+    "bigbird in larger blocks": (sparse.bigbird(8, [0], 1, block=2 * BLOCK, seed=5), 77),
     "user layout per head": (
         sparse.from_blocks(
             torch.stack(
@@ -66,7 +68,7 @@ CASES = [(name, dtype) for name in PATTERNS for dtype in (torch.float32, torch.b
 )
 def test_matches_the_dense_masked_reference(name, dtype):
     pattern, seqlen = PATTERNS[name]
-    mask = sparse.dense_mask(pattern, seqlen, BLOCK)
+    mask = sparse.dense_mask(pattern, seqlen, pattern.block or BLOCK)
     scale = 24**-0.5
     low, grad = inputs(dtype, seqlen)
     exact = [t.detach().double().requires_grad_() for t in low]  # (the same rounded values)
@@ -153,19 +155,23 @@ def test_packed_sequences_each_walk_the_layout_from_their_start(pattern):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["local", "strided", "longformer", "bigbird", "dilated"])
+@pytest.mark.parametrize(
+    "name", ["local", "strided", "longformer", "bigbird", "bigbird 128", "dilated"]
+)
 def test_on_cuda_against_the_dense_reference(name):
-    """The GPU twin: compiled kernels at 64-token tiles, head dim 128, bf16, 2 sequences of
-    2000 tokens (a partial last tile), within 2x of PyTorch's bf16 error against fp64."""
+    """The GPU twin: compiled kernels at 64-token tiles (BigBird's 128-token blocks split into
+    them), head dim 128, bf16, 2 sequences of 2000 tokens (a partial last tile), within 2x of
+    PyTorch's bf16 error against fp64."""
     n = 2000
     pattern = {
         "local": sparse.local(256),
         "strided": sparse.strided(128),
         "longformer": sparse.longformer(128, [0, 1000]),
         "bigbird": sparse.bigbird(128, [0], 2, block=64, seed=1),
+        "bigbird 128": sparse.bigbird(128, [0], 2, block=128, seed=1, causal=True),
         "dilated": sparse.dilated(4, window=100),
     }[name]
-    mask = sparse.dense_mask(pattern, n, 64).cuda()
+    mask = sparse.dense_mask(pattern, n).cuda()
     low, grad = inputs(torch.bfloat16, n, heads=8, heads_kv=2, dim=128)
     low = [t.detach().cuda().requires_grad_() for t in low]
     grad = grad.cuda()
@@ -220,3 +226,24 @@ def test_packed_sequences_with_a_layout_per_head_on_the_plain_path():
     mask = sparse.dense_mask(pattern, 40, BLOCK)
     first = _dense(q[:, :30], k[:, :30], v[:, :30], mask[..., :30, :30], 24**-0.5)[0]
     torch.testing.assert_close(out[:30], first)
+
+
+@pytest.mark.parametrize("name", ["local", "local bidirectional", "dilated"])
+def test_a_window_alone_runs_flash_attentions_banded_kernels(monkeypatch, name):
+    """A pattern that is only a window (local, dilated), in bf16, runs memfit.flash_attention
+    with the window (WINDOWS_TO_FLASH) and gives what the block-sparse kernels give."""
+    from memfit.ops.attention import block_sparse
+
+    pattern, seqlen = PATTERNS[name]
+    calls = []
+    forward = block_sparse._forward
+    monkeypatch.setattr(block_sparse, "_forward", lambda *a: calls.append(1) or forward(*a))
+    low, grad = inputs(torch.bfloat16, seqlen)
+    with triton_on_cpu():
+        flash = run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), low, grad)
+        assert not calls
+        monkeypatch.setattr(block_sparse, "WINDOWS_TO_FLASH", False)
+        kernels = run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), low, grad)
+        assert calls
+    for a, b in zip(flash, kernels, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -20,6 +20,16 @@ PATTERNS = {
     "bigbird": sparse.bigbird(8, [0, 33], random_blocks=2, block=BLOCK, seed=3),
     "bigbird causal": sparse.bigbird(8, [0], random_blocks=1, block=BLOCK, causal=True),
     "window of one (only itself)": sparse.local(1),
+    # random and user blocks of 2 x 2 tiles
+    "bigbird in larger blocks": sparse.bigbird(8, [0], 1, block=2 * BLOCK, seed=6),
+    "bigbird causal in larger blocks": sparse.bigbird(
+        8, [0], 2, block=2 * BLOCK, seed=7, causal=True
+    ),
+    "user blocks larger than the tiles": sparse.from_blocks(
+        torch.eye(3, dtype=torch.int64).roll(1, 0) | torch.eye(3, dtype=torch.int64),
+        block=2 * BLOCK,
+        causal=True,
+    ),
 }
 
 
@@ -28,9 +38,7 @@ def expand(pattern, layout, seqlen):
     i = torch.arange(seqlen)[:, None]
     j = torch.arange(seqlen)[None, :]
     kinds = layout.dense()[i // layout.block, j // layout.block]
-    rule = sparse._rule(sparse.Pattern(causal=pattern.causal, window=pattern.window,
-                                       stride=pattern.stride,
-                                       global_tokens=pattern.global_tokens), i, j, seqlen)  # fmt: skip
+    rule = sparse._rule(pattern, i, j, seqlen)  # (the token rule alone: no whole blocks)
     return (kinds == FULL) | ((kinds == RULE) & rule) | ((kinds == CAUSAL) & (j <= i))
 
 
@@ -39,7 +47,7 @@ def expand(pattern, layout, seqlen):
 def test_the_layout_sees_exactly_the_patterns_tokens(name, seqlen):
     pattern = PATTERNS[name]
     layout = sparse.block_layout(pattern, seqlen, BLOCK)
-    mask = sparse.dense_mask(pattern, seqlen, BLOCK)
+    mask = sparse.dense_mask(pattern, seqlen)  # (random and user blocks on their own grid)
     assert torch.equal(expand(pattern, layout, seqlen), mask)
     assert mask.any(1).all()  # every query sees a key (itself at least, here)
     tiles = layout.dense()
@@ -143,7 +151,11 @@ def test_layouts_grow_linearly_with_the_sequence(pattern):
             "a block layout of 3 x 3 tiles does not match a sequence of 64 tokens in 16-token "
             r"tiles \(4 x 4\)",
         ),
-        (lambda: sparse.bigbird(4, [0], 1, block=32), 64, "the pattern's blocks are 32-token"),
+        (
+            lambda: sparse.bigbird(4, [0], 1, block=24),
+            64,
+            "the pattern's blocks are 24-token tiles, which 16-token tiles do not divide",
+        ),
     ],
 )
 def test_numbers_that_do_not_fit_say_what_is_wrong(build, seqlen, message):
@@ -216,3 +228,15 @@ def test_a_layout_per_head():
 def test_a_dilated_pattern_takes_a_window_only():
     with pytest.raises(ValueError, match="dilation 2 takes a window only"):
         sparse.Pattern(window=(4, 0), stride=8, dilation=2)
+
+
+def test_the_longest_rows_and_columns_come_first():
+    """The kernels take query (key) blocks longest first: a global token's block, which sees
+    (is seen by) every block, before the band's."""
+    layout = sparse.block_layout(sparse.longformer(8, [40]), 160, BLOCK)
+    counts = layout.indptr[0, 1:] - layout.indptr[0, :-1]
+    assert layout.order[0] == 40 // BLOCK == layout.t_order[0]
+    assert torch.equal(
+        counts[layout.order.long()], counts.sort(descending=True, stable=True).values
+    )
+    assert sorted(layout.order.tolist()) == list(range(layout.tiles))

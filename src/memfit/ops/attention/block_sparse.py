@@ -32,8 +32,16 @@ import torch
 from torch import Tensor
 
 from memfit.ops._triton import interpreter_enabled, kernels_requested, launch, tl, triton
+from memfit.ops.attention.interface import flash_attention
 from memfit.ops.attention.launch import LOG2E, _layout, delta_and_lse2
-from memfit.ops.attention.sparse import NO_LIMIT, BlockLayout, Pattern, block_layout, dense_mask
+from memfit.ops.attention.sparse import (
+    NO_LIMIT,
+    BlockLayout,
+    Pattern,
+    block_layout,
+    dense_mask,
+    tile_for,
+)
 from memfit.ops.attention.tiles import _dot, _sequence, _to_dtype
 
 __all__ = ["sparse_attention", "sparse_attention_varlen"]
@@ -57,18 +65,23 @@ def _keep(
     HAS_GLOBAL: tl.constexpr,
 ):
     """Which (row, col) pairs of a tile are attended (positions within the sequence): by the
-    tile's kind, FULL everything, CAUSAL col <= row, else the token rule; never past the end."""
-    rule = (cols >= rows - left) & (cols <= rows + right)
-    if STRIDE > 0:
-        rule = rule | ((cols + 1) % STRIDE == 0)
-    if HAS_GLOBAL:
-        row_global = tl.load(global_ptr + rows, mask=rows < seqlen, other=0) != 0
-        col_global = tl.load(global_ptr + cols, mask=cols < seqlen, other=0) != 0
-        rule = rule | row_global | col_global
-    if IS_CAUSAL:
-        rule = rule & (cols <= rows)
-    keep = tl.where(kind == 0, cols >= 0, tl.where(kind == 2, cols <= rows, rule))
-    return keep & (cols < seqlen) & (rows < seqlen)
+    tile's kind, FULL everything, CAUSAL col <= row, else the token rule; never past the end.
+    (A branch on the kind: a FULL tile computes no rule and reads no global flags.)"""
+    keep = (cols < seqlen) & (rows < seqlen)
+    if kind == 2:
+        keep = keep & (cols <= rows)
+    elif kind == 1:
+        rule = (cols >= rows - left) & (cols <= rows + right)
+        if STRIDE > 0:
+            rule = rule | ((cols + 1) % STRIDE == 0)
+        if HAS_GLOBAL:
+            row_global = tl.load(global_ptr + rows, mask=rows < seqlen, other=0) != 0
+            col_global = tl.load(global_ptr + cols, mask=cols < seqlen, other=0) != 0
+            rule = rule | row_global | col_global
+        if IS_CAUSAL:
+            rule = rule & (cols <= rows)
+        keep = keep & rule
+    return keep
 
 
 @triton.jit
@@ -92,7 +105,7 @@ def _key_tile(
 
 @triton.jit
 def _sparse_fwd_kernel(
-    Q, K, V, Out, LSE, CU, INDPTR, INDICES, KINDS, GLOBAL,
+    Q, K, V, Out, LSE, CU, ORDER, INDPTR, INDICES, KINDS, GLOBAL,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
     stride_indptr, stride_list,
@@ -103,8 +116,8 @@ def _sparse_fwd_kernel(
 ):  # fmt: skip
     """One query tile of one (sequence, head): the online softmax over its layout row (the
     head's own layout with PER_HEAD)."""
-    tile = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    off_bh = tl.program_id(0)
+    tile = tl.load(ORDER + tl.program_id(1))  # (longest first)
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
@@ -197,7 +210,7 @@ def _dkdv_tile(
 
 @triton.jit
 def _sparse_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, CU, T_INDPTR, T_INDICES, T_KINDS, GLOBAL,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, CU, T_ORDER, T_INDPTR, T_INDICES, T_KINDS, GLOBAL,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
@@ -209,8 +222,8 @@ def _sparse_dkdv_kernel(
 ):  # fmt: skip
     """dk, dv of one key tile of one (sequence, kv head): over the query tiles of its layout
     column, for each query head of the group (computed transposed: keys x queries)."""
-    tile = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    off_bh = tl.program_id(0)
+    tile = tl.load(T_ORDER + tl.program_id(1))  # (longest first)
     off_b = off_bh // num_heads_kv
     off_hk = off_bh % num_heads_kv
     start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
@@ -271,7 +284,7 @@ def _sparse_dkdv_kernel(
 
 @triton.jit
 def _sparse_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, CU, INDPTR, INDICES, KINDS, GLOBAL,
+    Q, K, V, DO, LSE2, DELTA, DQ, CU, ORDER, INDPTR, INDICES, KINDS, GLOBAL,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, stride_indptr, stride_list,
@@ -281,8 +294,8 @@ def _sparse_dq_kernel(
     PER_HEAD: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """dq of one query tile of one (sequence, head): over the key tiles of its layout row."""
-    tile = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    off_bh = tl.program_id(0)
+    tile = tl.load(ORDER + tl.program_id(1))  # (longest first)
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
@@ -339,8 +352,29 @@ def _rule_args(pattern: Pattern, layout: BlockLayout) -> tuple:
     return left, right, pattern.stride, pattern.causal, flags
 
 
-def _warps(block: int) -> int:
-    return 4 if block <= 64 else 8
+# window-only patterns (local, dilated) in fp16/bf16 run memfit.flash_attention with the window
+# (its banded kernels); False: the block-sparse kernels (benchmarks compare the two)
+WINDOWS_TO_FLASH = True
+
+
+def _window_only(pattern: Pattern) -> bool:
+    return pattern.window is not None and pattern.heads == 1 and not (
+        pattern.stride or pattern.global_tokens or pattern.random_blocks
+        or pattern.blocks is not None
+    )  # fmt: skip
+
+
+# (num_warps, num_stages) of each kernel by tile size (tiles up to 64, and 128: whose dk/dv
+# program needs more shared memory than an H100 has at 3 stages with head dim 128)
+LAUNCH_OPTIONS = {
+    64: {"forward": (4, 3), "dkdv": (4, 2), "dq": (4, 2)},  # (benchmarks/sparse_configs.py)
+    128: {"forward": (8, 1), "dkdv": (8, 1), "dq": (8, 1)},
+}
+
+
+def _launch_options(kernel: str, block: int) -> dict:
+    warps, stages = LAUNCH_OPTIONS[64 if block <= 64 else 128][kernel]
+    return {"num_warps": warps, "num_stages": stages}
 
 
 def _geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int, int, int]:
@@ -367,15 +401,16 @@ def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
     block_d = max(16, triton.next_power_of_2(head_dim))
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     launch(
-        _sparse_fwd_kernel, (layout.tiles, batch * heads), q.device,
-        q, k, v, out, lse, cu_seqlens, layout.indptr, layout.indices, layout.kinds, flags,
+        _sparse_fwd_kernel, (batch * heads, layout.tiles), q.device,
+        q, k, v, out, lse, cu_seqlens, layout.order, layout.indptr, layout.indices,
+        layout.kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(out), *stride_lse,
         layout.indptr.stride(0), layout.indices.stride(0), seqlen, left, right, scale * LOG2E,
         heads,
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
         STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
         PER_HEAD=layout.heads > 1, IS_VARLEN=varlen, INTERPRET=interpreter_enabled(),
-        num_warps=_warps(layout.block),
+        **_launch_options("forward", layout.block),
     )  # fmt: skip
     return out, lse
 
@@ -397,23 +432,22 @@ def _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scal
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
         STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
         PER_HEAD=layout.heads > 1, IS_VARLEN=varlen, INTERPRET=interpret,
-        num_warps=_warps(layout.block),
     )  # fmt: skip
     launch(
-        _sparse_dkdv_kernel, (layout.tiles, batch * heads_kv), q.device,
-        q, k, v, dout, lse2, delta, dk, dv, cu_seqlens, layout.t_indptr, layout.t_indices,
-        layout.t_kinds, flags,
+        _sparse_dkdv_kernel, (batch * heads_kv, layout.tiles), q.device,
+        q, k, v, dout, lse2, delta, dk, dv, cu_seqlens, layout.t_order, layout.t_indptr,
+        layout.t_indices, layout.t_kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dk), *_layout(dv),
         *stride_lse, layout.t_indptr.stride(0), layout.t_indices.stride(0), seqlen, left,
-        right, scale * LOG2E, scale, heads_kv, **meta,
+        right, scale * LOG2E, scale, heads_kv, **meta, **_launch_options("dkdv", layout.block),
     )  # fmt: skip
     launch(
-        _sparse_dq_kernel, (layout.tiles, batch * heads), q.device,
-        q, k, v, dout, lse2, delta, dq, cu_seqlens, layout.indptr, layout.indices,
-        layout.kinds, flags,
+        _sparse_dq_kernel, (batch * heads, layout.tiles), q.device,
+        q, k, v, dout, lse2, delta, dq, cu_seqlens, layout.order, layout.indptr,
+        layout.indices, layout.kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *stride_lse,
         layout.indptr.stride(0), layout.indices.stride(0), seqlen, left, right, scale * LOG2E,
-        scale, heads, **meta,
+        scale, heads, **meta, **_launch_options("dq", layout.block),
     )  # fmt: skip
     return dq, dk, dv
 
@@ -457,7 +491,7 @@ def _settle(
         raise ValueError(
             f"the pattern has a layout for each of {pattern.heads} heads, q has {heads} heads"
         )
-    block = block or pattern.block or (INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
+    block = block or tile_for(pattern, INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
     pattern.check(seqlen, block)
     return block, 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
 
@@ -473,8 +507,9 @@ def sparse_attention(
 ) -> Tensor:
     """softmax(q k^T * scale, masked by `pattern`) v, exact, for q (batch, seqlen, heads, dim)
     and k, v (batch, seqlen, heads_kv, dim) with heads % heads_kv == 0 (GQA). Self-attention:
-    q, k and v have one length. `block`: the tile size (default 64 on GPUs, 16 under the
-    interpreter); the pattern's layout is built once per shape and cached. Differentiable."""
+    q, k and v have one length. `block`: the kernels' tile size (default 64 on GPUs, 16 under
+    the interpreter; a pattern's random or user blocks must be a multiple of it, and are split
+    into its tiles); the pattern's layout is built once per shape and cached. Differentiable."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(
             f"q (batch, seqlen, heads, dim) and k, v (batch, seqlen, heads_kv, dim) expected, "
@@ -497,7 +532,9 @@ def _run(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, block: int, scale: f
     """The kernels on batched sequences, outside torch.compile's graphs (a graph break around
     them, as memfit's other Triton ops have: a compiled block runs the kernels instead of
     tracing the dense fallback). A dilated pattern regroups the tokens into its interleaved
-    subsequences, one after another in the batch, and back."""
+    subsequences, one after another in the batch, and back. A pattern that is a window and
+    nothing else (local, dilated) in fp16/bf16 runs memfit's FlashAttention with that window
+    (WINDOWS_TO_FLASH): its banded kernels are the faster ones for a band."""
     batch, seqlen = q.shape[:2]
     dilation = pattern.dilation
     if dilation > 1:
@@ -506,8 +543,13 @@ def _run(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, block: int, scale: f
             return t.unflatten(1, (seqlen // dilation, dilation)).transpose(1, 2).flatten(0, 1)
 
         q, k, v = split(q), split(k), split(v)
-    layout = block_layout(pattern, seqlen, block, q.device)
-    out = _SparseAttention.apply(q, k, v, pattern, layout, None, layout.seqlen, scale)
+    if WINDOWS_TO_FLASH and _window_only(pattern) and q.dtype in (torch.float16, torch.bfloat16):
+        left, right = (None if side >= NO_LIMIT else side for side in pattern.window)
+        out = flash_attention(q, k, v, causal=pattern.causal, window=(left, right),
+                              softmax_scale=scale)  # fmt: skip
+    else:
+        layout = block_layout(pattern, seqlen, block, q.device)
+        out = _SparseAttention.apply(q, k, v, pattern, layout, None, layout.seqlen, scale)
     if dilation > 1:
         out = out.unflatten(0, (batch, dilation)).transpose(1, 2).flatten(1, 2)
     return out

@@ -53,6 +53,7 @@ __all__ = [
     "local",
     "longformer",
     "strided",
+    "tile_for",
 ]
 
 FULL, RULE, CAUSAL = 0, 1, 2
@@ -164,11 +165,13 @@ class Pattern:
         late = [t for t in self.global_tokens if t >= seqlen]
         if late:
             raise ValueError(f"global tokens {late} lie past the sequence ({seqlen} tokens)")
-        if self.block is not None and self.block != block:
+        if self.block is not None and self.block % block:
             raise ValueError(
-                f"the pattern's blocks are {self.block}-token tiles, the layout's {block}"
+                f"the pattern's blocks are {self.block}-token tiles, which {block}-token tiles "
+                "do not divide"
             )
         if self.blocks is not None:
+            block = self.block
             tiles = -(-seqlen // block)
             heads = self.blocks if self.heads > 1 else (self.blocks,)
             shapes = {(len(rows), len(rows[0]) if rows else 0) for rows in heads}
@@ -272,6 +275,16 @@ def from_blocks(blocks: Tensor | list, *, block: int, causal: bool = False) -> P
 
 # tile size of a spec's random blocks unless it says (memfit.ops.attention.block_sparse's GPU tile)
 SPEC_BLOCK = 64
+
+
+def tile_for(pattern: Pattern, preferred: int) -> int:
+    """The kernel tile for `pattern`: `preferred` where it divides the pattern's blocks (a
+    BigBird block of 128 runs as 2 x 2 tiles of 64), else the pattern's block."""
+    if pattern.block is None or pattern.block % preferred == 0:
+        return preferred
+    return pattern.block
+
+
 SPEC_HELP = (
     "local:W, strided:S[:window=W], dilated:K[:window=W], longformer:W:globals=0,17, "
     "bigbird:W:globals=0:random=R[:seed=N][:block=B], each causal unless ':bidirectional'"
@@ -347,6 +360,9 @@ class BlockLayout:
     indices[h, indptr[h, b]:indptr[h, b + 1]] (ascending) with those kinds; t_indptr,
     t_indices, t_kinds: the same by key block (the query blocks that see it). `tiles` blocks of
     `block` tokens.
+    order, t_order: (tiles,) int32, the query (key) blocks by their count of tiles over all
+    heads, longest first: the order the kernels' programs take them in, so that a global
+    token's long row or column starts first instead of last.
     global_flags: (seqlen,) int8, 1 at the pattern's global tokens (None without any)."""
 
     seqlen: int
@@ -358,6 +374,8 @@ class BlockLayout:
     t_indptr: Tensor
     t_indices: Tensor
     t_kinds: Tensor
+    order: Tensor
+    t_order: Tensor
     global_flags: Tensor | None = None
 
     @property
@@ -483,7 +501,7 @@ def _classify(pattern: Pattern, pairs: Tensor, seqlen: int, block: int) -> tuple
 
 
 def _whole_blocks(
-    pattern: Pattern, taken: Tensor, tiles: int, head: int, generator: torch.Generator
+    pattern: Pattern, taken: Tensor | None, tiles: int, head: int, generator: torch.Generator
 ) -> Tensor:
     """(n, 2) tiles added whole for query head `head`: the user layout's, and `random_blocks`
     per query block drawn (from `generator`, heads in order) from the tiles `taken` (tiles x
@@ -505,10 +523,20 @@ def block_layout(
     pattern: Pattern, seqlen: int, block: int, device: torch.device | str = "cpu"
 ) -> BlockLayout:
     """The layout of `pattern` for sequences of `seqlen` tokens in `block`-token tiles, on
-    `device`; built once per (pattern, seqlen, block, device) and cached. For a dilated pattern
-    the layout is the one each interleaved subsequence (seqlen / dilation tokens) uses."""
+    `device`; built once per (pattern, seqlen, block, device) and cached. A pattern's random or
+    user blocks may be larger than the tiles (a multiple: each is listed as its tiles). For a
+    dilated pattern the layout is the one each interleaved subsequence (seqlen / dilation
+    tokens) uses."""
     pattern.check(seqlen, block)
     return _block_layout(pattern, seqlen // pattern.dilation, block, str(torch.device(device)))
+
+
+def _rule_tiles(pattern: Pattern, seqlen: int, block: int) -> tuple[Tensor, Tensor]:
+    """(n, 2) tiles of `block` tokens holding a pair the token rule allows, and their kinds
+    (FULL or RULE)."""
+    pairs = _candidates(pattern, seqlen, block, -(-seqlen // block), "cpu")
+    seen, whole = _classify(pattern, pairs, seqlen, block)
+    return pairs[seen], torch.where(whole[seen], FULL, RULE)
 
 
 @functools.lru_cache(maxsize=64)
@@ -520,25 +548,31 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
             for name, value in vars(host).items()
         })  # fmt: skip
     tiles = -(-seqlen // block)
-    pairs = _candidates(pattern, seqlen, block, tiles, "cpu")
-    seen, whole = _classify(pattern, pairs, seqlen, block)
-    rule_pairs, rule_kinds = pairs[seen], torch.where(whole[seen], FULL, RULE)
+    rule_pairs, rule_kinds = _rule_tiles(pattern, seqlen, block)
+    grid = pattern.block or block  # (whole blocks are drawn on the pattern's grid of tiles)
+    split = grid // block
+    if pattern.random_blocks:
+        grid_pairs = rule_pairs if split == 1 else _rule_tiles(pattern, seqlen, grid)[0]
+        taken = torch.zeros((-(-seqlen // grid),) * 2, dtype=torch.bool)
+        taken[grid_pairs[:, 0], grid_pairs[:, 1]] = True
     generator = torch.Generator().manual_seed(pattern.seed)
     by_query, by_key = [], []
     for head in range(pattern.heads):
         pairs, kinds = rule_pairs, rule_kinds
         if pattern.random_blocks or pattern.blocks is not None:
-            taken = torch.zeros((tiles, tiles), dtype=torch.bool)
-            taken[pairs[:, 0], pairs[:, 1]] = True
-            extra = _whole_blocks(pattern, taken, tiles, head, generator)
+            extra = _whole_blocks(pattern, taken if pattern.random_blocks else None,
+                                  -(-seqlen // grid), head, generator)  # fmt: skip
+            if split > 1:  # each grid block as split x split kernel tiles
+                offsets = torch.cartesian_prod(torch.arange(split), torch.arange(split))
+                extra = (extra[:, None, :] * split + offsets[None]).flatten(0, 1)
+                extra = extra[(extra < tiles).all(1)]
             if pattern.causal:
                 extra = extra[extra[:, 1] <= extra[:, 0]]
             # a whole tile replaces what the rule listed there; on the diagonal (causal) it is
             # masked by causality alone
             extra_kinds = torch.full((len(extra),), FULL, dtype=torch.long)
             if pattern.causal:
-                diagonal = (extra[:, 1] + 1) * block - 1 > extra[:, 0] * block
-                extra_kinds[diagonal] = CAUSAL
+                extra_kinds[extra[:, 1] == extra[:, 0]] = CAUSAL
             replaced = torch.zeros((tiles, tiles), dtype=torch.bool)
             replaced[extra[:, 0], extra[:, 1]] = True
             keep = ~replaced[pairs[:, 0], pairs[:, 1]]
@@ -550,6 +584,10 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
         by_key.append(_csr(pairs[:, 1], pairs[:, 0], kinds, tiles))
     indptr, indices, kind = _stack(by_query)
     t_indptr, t_indices, t_kind = _stack(by_key)
+    order, t_order = (
+        torch.argsort(-(offsets[:, 1:] - offsets[:, :-1]).sum(0), stable=True).to(torch.int32)
+        for offsets in (indptr, t_indptr)
+    )
     move = functools.partial(Tensor.to, device=device)
     flags = None
     if pattern.global_tokens:
@@ -559,7 +597,7 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
     return BlockLayout(
         seqlen=seqlen, block=block, tiles=tiles, indptr=move(indptr), indices=move(indices),
         kinds=move(kind), t_indptr=move(t_indptr), t_indices=move(t_indices),
-        t_kinds=move(t_kind), global_flags=flags,
+        t_kinds=move(t_kind), order=move(order), t_order=move(t_order), global_flags=flags,
     )  # fmt: skip
 
 
@@ -567,7 +605,7 @@ def keys_per_query(pattern: Pattern, seqlen: int, block: int = SPEC_BLOCK) -> fl
     """The keys a block-sparse kernel multiplies per query, on average: the layout's tiles x
     block^2 / seqlen (over all `dilation` subsequences) -- the planner's measure of a pattern's
     attention FLOPs, which a dense causal layer spends on about seqlen / 2."""
-    layout = block_layout(pattern, seqlen, pattern.block or block)
+    layout = block_layout(pattern, seqlen, tile_for(pattern, block))
     return pattern.dilation * layout.nnz / layout.heads * layout.block**2 / seqlen
 
 

@@ -1,0 +1,72 @@
+"""Launch options (num_warps, num_stages) of the block-sparse attention kernels
+(memfit.ops.attention.block_sparse.LAUNCH_OPTIONS), measured where they count: the patterns of
+benchmarks/sparse_attention.py that run the block-sparse kernels, at 16k tokens (batch 1, 16
+heads, head dim 128, bf16, 64-token tiles).
+
+    python benchmarks/sparse_configs.py --configs 4x2 4x3 4x4 8x2 8x3
+
+For each kernel (forward, dkdv, dq) and config, the other two kept at their defaults: the
+forward's time for the forward's options, forward + backward for the backward kernels'; the
+median of CUDA-event times after warm-up (compilation excluded). Prints the best config of each
+kernel by the sum over patterns.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import harness
+import torch
+from sparse_attention import DIM, HEADS, measure, patterns
+
+from memfit.ops.attention import block_sparse, sparse_attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "4x4", "8x2", "8x3"])
+    parser.add_argument("--patterns", nargs="+", default=["strided", "longformer", "bigbird"])
+    parser.add_argument("--seqlen", type=int, default=16384)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    n = args.seqlen
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(4)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    defaults = dict(block_sparse.LAUNCH_OPTIONS[64])
+    run = {"env": harness.environment(), "seqlen": n, "defaults": defaults, "records": []}
+    totals: dict[tuple[str, str], float] = {}
+    for kernel in ("forward", "dkdv", "dq"):
+        for config in args.configs:
+            warps, stages = (int(x) for x in config.split("x"))
+            block_sparse.LAUNCH_OPTIONS[64] = defaults | {kernel: (warps, stages)}
+            for name in args.patterns:
+                pattern = patterns(n)[name]
+                row = {"kernel": kernel, "config": config, "pattern": name}
+                try:
+                    times = measure(lambda q, k, v, p=pattern: sparse_attention(q, k, v, p),
+                                    (q, k, v, dout))  # fmt: skip
+                    row["ms"] = times[
+                        "forward_ms" if kernel == "forward" else "forward_backward_ms"
+                    ]
+                    totals[kernel, config] = totals.get((kernel, config), 0.0) + row["ms"]
+                except Exception as error:  # (a config out of shared memory: a row)
+                    row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                    totals[kernel, config] = float("inf")
+                run["records"].append(row)
+                print(row, flush=True)
+    block_sparse.LAUNCH_OPTIONS[64] = defaults
+    best = {
+        kernel: min(args.configs, key=lambda c, kernel=kernel: totals[kernel, c])
+        for kernel in ("forward", "dkdv", "dq")
+    }
+    run["best"] = best
+    print("best:", best)
+    print(f"results: {harness.append_results('sparse_configs', run, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
