@@ -1,14 +1,15 @@
 """Launch options (num_warps, num_stages) of the block-sparse attention kernels
 (memfit.ops.attention.block_sparse.LAUNCH_OPTIONS), measured where they count: the patterns of
 benchmarks/sparse_attention.py that run the block-sparse kernels, at 16k tokens (batch 1, 16
-heads, head dim 128, bf16, 64-token tiles).
+heads, head dim 128, bf16; the forward's 64 x 64 tiles, the backward's 128 x 64 (dq) and
+64 x 128 (dk/dv) at BACKWARD_WIDEN 2, or 64 x 64 at --widen 1).
 
-    python benchmarks/sparse_configs.py --configs 4x2 4x3 4x4 8x2 8x3
+    python benchmarks/sparse_configs.py --configs 4x2 4x3 8x2 8x3 --kernels dkdv dq
 
-For each kernel (forward, dkdv, dq) and config, the other two kept at their defaults: the
-forward's time for the forward's options, forward + backward for the backward kernels'; the
-median of CUDA-event times after warm-up (compilation excluded). Prints the best config of each
-kernel by the sum over patterns.
+For each kernel and config, the others kept at their defaults: the forward's time for the
+forward's options, forward + backward for the backward kernels'; the median of CUDA-event
+times after warm-up (compilation excluded). Prints the best config of each kernel by the sum
+over patterns.
 """
 
 from __future__ import annotations
@@ -24,28 +25,36 @@ from memfit.ops.attention import block_sparse, sparse_attention
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "4x4", "8x2", "8x3"])
+    parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "8x2", "8x3"])
+    parser.add_argument("--kernels", nargs="+", default=["forward", "dkdv", "dq"])
     parser.add_argument("--patterns", nargs="+", default=["strided", "longformer", "bigbird"])
     parser.add_argument("--seqlen", type=int, default=16384)
+    parser.add_argument("--widen", type=int, default=block_sparse.BACKWARD_WIDEN)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     n = args.seqlen
+    block_sparse.BACKWARD_WIDEN = args.widen
+    tiles = {"forward": (64, 64), "dq": (64 * args.widen, 64), "dkdv": (64, 64 * args.widen)}
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (
         torch.randn(1, n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=g)
         for _ in range(4)
     )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    defaults = dict(block_sparse.LAUNCH_OPTIONS[64])
-    run = {"env": harness.environment(), "seqlen": n, "defaults": defaults, "records": []}
+    defaults = dict(block_sparse.LAUNCH_OPTIONS)
+    run = {
+        "env": harness.environment(), "seqlen": n, "widen": args.widen,
+        "defaults": {"/".join(map(str, key)): value for key, value in defaults.items()},
+        "records": [],
+    }  # fmt: skip
     totals: dict[tuple[str, str], float] = {}
-    for kernel in ("forward", "dkdv", "dq"):
+    for kernel in args.kernels:
         for config in args.configs:
             warps, stages = (int(x) for x in config.split("x"))
-            block_sparse.LAUNCH_OPTIONS[64] = defaults | {kernel: (warps, stages)}
+            block_sparse.LAUNCH_OPTIONS = defaults | {(kernel, *tiles[kernel]): (warps, stages)}
             for name in args.patterns:
                 pattern = patterns(n)[name]
-                row = {"kernel": kernel, "config": config, "pattern": name}
+                row = {"kernel": kernel, "tile": tiles[kernel], "config": config, "pattern": name}
                 try:
                     times = measure(lambda q, k, v, p=pattern: sparse_attention(q, k, v, p),
                                     (q, k, v, dout))  # fmt: skip
@@ -58,10 +67,10 @@ def main() -> None:
                     totals[kernel, config] = float("inf")
                 run["records"].append(row)
                 print(row, flush=True)
-    block_sparse.LAUNCH_OPTIONS[64] = defaults
+    block_sparse.LAUNCH_OPTIONS = defaults
     best = {
         kernel: min(args.configs, key=lambda c, kernel=kernel: totals[kernel, c])
-        for kernel in ("forward", "dkdv", "dq")
+        for kernel in args.kernels
     }
     run["best"] = best
     print("best:", best)

@@ -228,13 +228,16 @@ def test_packed_sequences_with_a_layout_per_head_on_the_plain_path():
     torch.testing.assert_close(out[:30], first)
 
 
-@pytest.mark.parametrize("name", ["local", "local bidirectional", "dilated"])
-def test_a_window_alone_runs_flash_attentions_banded_kernels(monkeypatch, name):
-    """A pattern that is only a window (local, dilated), in bf16, runs memfit.flash_attention
-    with the window (WINDOWS_TO_FLASH) and gives what the block-sparse kernels give."""
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_subsequences_run_flash_attention(monkeypatch, causal):
+    """A dilated pattern without a window (dense attention on each subsequence), in bf16, runs
+    memfit.flash_attention where its subsequences are long enough (DENSE_TO_FLASH, here 16
+    tokens) and gives what the block-sparse kernels give; a windowed one runs the block-sparse
+    kernels."""
     from memfit.ops.attention import block_sparse
 
-    pattern, seqlen = PATTERNS[name]
+    pattern, seqlen = sparse.dilated(4, causal=causal), 80
+    monkeypatch.setattr(block_sparse, "DENSE_TO_FLASH", 16)
     calls = []
     forward = block_sparse._forward
     monkeypatch.setattr(block_sparse, "_forward", lambda *a: calls.append(1) or forward(*a))
@@ -242,8 +245,25 @@ def test_a_window_alone_runs_flash_attentions_banded_kernels(monkeypatch, name):
     with triton_on_cpu():
         flash = run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), low, grad)
         assert not calls
-        monkeypatch.setattr(block_sparse, "WINDOWS_TO_FLASH", False)
+        monkeypatch.setattr(block_sparse, "DENSE_TO_FLASH", 21)  # (subsequences of 20)
         kernels = run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), low, grad)
         assert calls
     for a, b in zip(flash, kernels, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    assert not block_sparse._dense_subsequences(sparse.dilated(4, window=6))
+    assert not block_sparse._dense_subsequences(sparse.local(20))
+
+
+def test_the_backward_widens_its_tiles_where_that_adds_little_work():
+    """dq and dk/dv programs take 2x-wide tiles unless those multiply many more pairs: a
+    strided pattern's dk/dv stays square (each summary column would cost a 2x-wide key tile)."""
+    from memfit.ops.attention.block_sparse import _backward_tiles
+
+    eye = torch.eye(8, dtype=torch.int64)
+    blocks = sparse.from_blocks(eye | eye.roll(1, 0), block=32)  # (wider tiles: no extra pair)
+    assert _backward_tiles(blocks, 256, 16, 2, 1.15) == ((32, 16), (16, 32))
+    assert _backward_tiles(sparse.strided(64, window=8), 256, 16, 2, 1.15)[1] == (16, 16)
+    assert _backward_tiles(sparse.bigbird(8, [0], 1, block=16), 256, 16, 2, 1.15) == (
+        (16, 16),
+        (16, 16),
+    )

@@ -37,23 +37,29 @@ def expand(pattern, layout, seqlen):
     """The token mask a kernel computes from the layout: each listed tile by its kind."""
     i = torch.arange(seqlen)[:, None]
     j = torch.arange(seqlen)[None, :]
-    kinds = layout.dense()[i // layout.block, j // layout.block]
+    kinds = layout.dense()[i // layout.block_m, j // layout.block_n]
     rule = sparse._rule(pattern, i, j, seqlen)  # (the token rule alone: no whole blocks)
     return (kinds == FULL) | ((kinds == RULE) & rule) | ((kinds == CAUSAL) & (j <= i))
 
 
 @pytest.mark.parametrize("name", PATTERNS)
 @pytest.mark.parametrize("seqlen", [77, 96])
-def test_the_layout_sees_exactly_the_patterns_tokens(name, seqlen):
+@pytest.mark.parametrize("tile", [(BLOCK, BLOCK), (2 * BLOCK, BLOCK), (BLOCK, 2 * BLOCK)])
+def test_the_layout_sees_exactly_the_patterns_tokens(name, seqlen, tile):
+    """Square tiles (the forward's) and rectangles (the backward's dq and dk/dv programs)."""
     pattern = PATTERNS[name]
-    layout = sparse.block_layout(pattern, seqlen, BLOCK)
+    bm, bn = tile
+    if pattern.block is not None and pattern.block % max(tile):
+        pytest.skip("the pattern's blocks are smaller than the tile")
+    layout = sparse.block_layout(pattern, seqlen, bm, block_n=bn)
     mask = sparse.dense_mask(pattern, seqlen)  # (random and user blocks on their own grid)
     assert torch.equal(expand(pattern, layout, seqlen), mask)
     assert mask.any(1).all()  # every query sees a key (itself at least, here)
     tiles = layout.dense()
-    for b in range(layout.tiles):  # no listed tile is empty; a FULL tile is full
-        for c in range(layout.tiles):
-            block = mask[b * BLOCK : (b + 1) * BLOCK, c * BLOCK : (c + 1) * BLOCK]
+    assert tiles.shape == (-(-seqlen // bm), -(-seqlen // bn))
+    for b in range(layout.tiles_m):  # no listed tile is empty; a FULL tile is full
+        for c in range(layout.tiles_n):
+            block = mask[b * bm : (b + 1) * bm, c * bn : (c + 1) * bn]
             if tiles[b, c] == -1:
                 assert not block.any(), (b, c)
             else:
@@ -64,9 +70,10 @@ def test_the_layout_sees_exactly_the_patterns_tokens(name, seqlen):
 
 @pytest.mark.parametrize("name", PATTERNS)
 def test_the_transpose_lists_the_same_tiles(name):
-    layout = sparse.block_layout(PATTERNS[name], 77, BLOCK)
-    by_key = torch.full((layout.tiles, layout.tiles), -1, dtype=torch.int8)
-    for c in range(layout.tiles):
+    block_n = 2 * BLOCK if (PATTERNS[name].block or 2 * BLOCK) % (2 * BLOCK) == 0 else BLOCK
+    layout = sparse.block_layout(PATTERNS[name], 77, BLOCK, block_n=block_n)
+    by_key = torch.full((layout.tiles_m, layout.tiles_n), -1, dtype=torch.int8)
+    for c in range(layout.tiles_n):
         lo, hi = int(layout.t_indptr[0, c]), int(layout.t_indptr[0, c + 1])
         rows = layout.t_indices[0, lo:hi]
         assert torch.equal(rows, rows.sort().values)

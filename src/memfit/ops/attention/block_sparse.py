@@ -26,6 +26,7 @@ masked product (O(seqlen^2) memory: for tests and small shapes).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -87,12 +88,12 @@ def _keep(
 @triton.jit
 def _key_tile(
     INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok, seqlen,
-    GLOBAL, left, right, BLOCK: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    GLOBAL, left, right, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
 ):  # fmt: skip
     """Entry i of a query tile's layout row: its key tile's k and v (zeros past the end) and
     which (query, key) pairs of it are attended."""
-    cols = tl.load(INDICES + i) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.load(INDICES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_mask = (cols[:, None] < seqlen) & d_ok
     k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -110,8 +111,8 @@ def _sparse_fwd_kernel(
     stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
     stride_indptr, stride_list,
     seqlen, left, right, qk_scale, num_heads,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     PER_HEAD: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One query tile of one (sequence, head): the online softmax over its layout row (the
@@ -121,7 +122,7 @@ def _sparse_fwd_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
-    start_m = tile * BLOCK
+    start_m = tile * BLOCK_M
     if start_m >= seqlen:
         return
     off_b64 = off_b.to(tl.int64)
@@ -129,14 +130,14 @@ def _sparse_fwd_kernel(
     q_base = Q + off_b64 * stride_qb + start64 * stride_qn + off_h * stride_qh
     k_base = K + off_b64 * stride_kb + start64 * stride_kn + (off_h // GROUP) * stride_kh
     v_base = V + off_b64 * stride_vb + start64 * stride_vn + (off_h // GROUP) * stride_vh
-    offs_m = start_m + tl.arange(0, BLOCK)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
     io_mask = (offs_m[:, None] < seqlen) & d_ok
     q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=io_mask, other=0.0)
-    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK], dtype=tl.float32)
-    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if PER_HEAD:  # (this head's layout)
         INDPTR += off_h * stride_indptr
         INDICES += off_h * stride_list
@@ -146,7 +147,7 @@ def _sparse_fwd_kernel(
     for i in range(lo, hi):
         k, v, keep = _key_tile(
             INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok,
-            seqlen, GLOBAL, left, right, BLOCK, STRIDE, IS_CAUSAL, HAS_GLOBAL,
+            seqlen, GLOBAL, left, right, BLOCK_N, STRIDE, IS_CAUSAL, HAS_GLOBAL,
         )  # fmt: skip
         qk = _dot(q, tl.trans(k), None, INTERPRET)
         qk = tl.where(keep, qk * qk_scale, float("-inf"))
@@ -178,14 +179,14 @@ def _dkdv_tile(
     dk, dv, k, v, Q, DO, LSE2, DELTA, T_INDICES, T_KINDS, GLOBAL, i, off_h, off_b64, start,
     start64, offs_n, offs_d, d_ok, stride_qb, stride_qn, stride_qh, stride_dob, stride_don,
     stride_doh, stride_lb, stride_lh, seqlen, left, right, qk_scale,
-    BLOCK: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Add query tile T_INDICES[i] of head off_h to a key tile's dk and dv (transposed:
     keys x queries)."""
-    start_m = tl.load(T_INDICES + i) * BLOCK
+    start_m = tl.load(T_INDICES + i) * BLOCK_M
     kind = tl.load(T_KINDS + i)
-    offs_m = start_m + tl.arange(0, BLOCK)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
     io_mask = row_ok[:, None] & d_ok
     q_rows = start64 * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
@@ -216,8 +217,8 @@ def _sparse_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
     stride_indptr, stride_list,
     seqlen, left, right, qk_scale, softmax_scale, num_heads_kv,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     PER_HEAD: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """dk, dv of one key tile of one (sequence, kv head): over the query tiles of its layout
@@ -227,12 +228,12 @@ def _sparse_dkdv_kernel(
     off_b = off_bh // num_heads_kv
     off_hk = off_bh % num_heads_kv
     start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
-    start_n = tile * BLOCK
+    start_n = tile * BLOCK_N
     if start_n >= seqlen:
         return
     off_b64 = off_b.to(tl.int64)
     start64 = start.to(tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
     kv_mask = (offs_n[:, None] < seqlen) & d_ok
@@ -240,8 +241,8 @@ def _sparse_dkdv_kernel(
     v_base = V + off_b64 * stride_vb + start64 * stride_vn + off_hk * stride_vh
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if PER_HEAD:  # each query head of the group walks its own layout's column
         for g in range(0, GROUP):
             off_h = off_hk * GROUP + g
@@ -253,7 +254,7 @@ def _sparse_dkdv_kernel(
                     T_KINDS + off_h * stride_list, GLOBAL, i, off_h, off_b64, start,
                     start64, offs_n, offs_d, d_ok, stride_qb, stride_qn, stride_qh,
                     stride_dob, stride_don, stride_doh, stride_lb, stride_lh, seqlen, left,
-                    right, qk_scale, BLOCK, STRIDE, IS_CAUSAL, HAS_GLOBAL, INTERPRET,
+                    right, qk_scale, BLOCK_M, STRIDE, IS_CAUSAL, HAS_GLOBAL, INTERPRET,
                 )  # fmt: skip
     else:  # one counted loop over (head, query tile): the column is the same for every head
         lo = tl.load(T_INDPTR + tile)
@@ -264,7 +265,7 @@ def _sparse_dkdv_kernel(
                 dk, dv, k, v, Q, DO, LSE2, DELTA, T_INDICES, T_KINDS, GLOBAL,
                 lo + step - g * count, off_hk * GROUP + g, off_b64, start, start64, offs_n,
                 offs_d, d_ok, stride_qb, stride_qn, stride_qh, stride_dob, stride_don,
-                stride_doh, stride_lb, stride_lh, seqlen, left, right, qk_scale, BLOCK, STRIDE,
+                stride_doh, stride_lb, stride_lh, seqlen, left, right, qk_scale, BLOCK_M, STRIDE,
                 IS_CAUSAL, HAS_GLOBAL, INTERPRET,
             )  # fmt: skip
     dk = dk * softmax_scale
@@ -289,8 +290,8 @@ def _sparse_dq_kernel(
     stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
     stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, stride_indptr, stride_list,
     seqlen, left, right, qk_scale, softmax_scale, num_heads,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     PER_HEAD: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """dq of one query tile of one (sequence, head): over the key tiles of its layout row."""
@@ -299,12 +300,12 @@ def _sparse_dq_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start, seqlen = _sequence(CU, off_b, seqlen, IS_VARLEN)
-    start_m = tile * BLOCK
+    start_m = tile * BLOCK_M
     if start_m >= seqlen:
         return
     off_b64 = off_b.to(tl.int64)
     start64 = start.to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
     row_ok = offs_m < seqlen
@@ -318,7 +319,7 @@ def _sparse_dq_kernel(
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     k_base = K + off_b64 * stride_kb + start64 * stride_kn + (off_h // GROUP) * stride_kh
     v_base = V + off_b64 * stride_vb + start64 * stride_vn + (off_h // GROUP) * stride_vh
-    dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if PER_HEAD:  # (this head's layout)
         INDPTR += off_h * stride_indptr
         INDICES += off_h * stride_list
@@ -328,7 +329,7 @@ def _sparse_dq_kernel(
     for i in range(lo, hi):
         k, v, keep = _key_tile(
             INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok,
-            seqlen, GLOBAL, left, right, BLOCK, STRIDE, IS_CAUSAL, HAS_GLOBAL,
+            seqlen, GLOBAL, left, right, BLOCK_N, STRIDE, IS_CAUSAL, HAS_GLOBAL,
         )  # fmt: skip
         qk = _dot(q, tl.trans(k), None, INTERPRET)
         dp = _dot(do, tl.trans(v), None, INTERPRET)
@@ -352,29 +353,78 @@ def _rule_args(pattern: Pattern, layout: BlockLayout) -> tuple:
     return left, right, pattern.stride, pattern.causal, flags
 
 
-# window-only patterns (local, dilated) in fp16/bf16 run memfit.flash_attention with the window
-# (its banded kernels); False: the block-sparse kernels (benchmarks compare the two)
-WINDOWS_TO_FLASH = True
+# A dilated pattern without a window is dense attention on each interleaved subsequence: in
+# fp16/bf16, subsequences of DENSE_TO_FLASH tokens or more run memfit.flash_attention (on an
+# H100, dilation 4: at 64k it took 0.81x the block-sparse kernels' time, at 16k 1.11x; the
+# crossover lies between subsequences of 4k and 16k tokens); None: always the block-sparse
+# kernels (benchmarks compare the two).
+DENSE_TO_FLASH: int | None = 8192
 
 
-def _window_only(pattern: Pattern) -> bool:
-    return pattern.window is not None and pattern.heads == 1 and not (
-        pattern.stride or pattern.global_tokens or pattern.random_blocks
-        or pattern.blocks is not None
+def _dense_subsequences(pattern: Pattern) -> bool:
+    """Whether each (sub)sequence attends densely (causal or not): an unbounded window only."""
+    return (
+        pattern.window is not None and NO_LIMIT in pattern.window[: 1 + (not pattern.causal)]
+        and pattern.heads == 1
+        and not (pattern.stride or pattern.global_tokens or pattern.random_blocks
+                 or pattern.blocks is not None)
     )  # fmt: skip
 
 
-# (num_warps, num_stages) of each kernel by tile size (tiles up to 64, and 128: whose dk/dv
-# program needs more shared memory than an H100 has at 3 stages with head dim 128)
+# The backward's tiles: dq programs take (WIDE x block) query x key tiles, dk/dv programs
+# (block x WIDE), with WIDE = BACKWARD_WIDEN x block (as memfit's FlashAttention backward does:
+# wider tiles keep its products on the tensor cores longer; on an H100 they ran BigBird's
+# backward 1.5x faster) where the pattern's blocks allow and the wider tiles add at most
+# WIDE_WORK - 1 to the pairs the kernel multiplies (a strided column costs a 128-key tile where
+# it cost 64: +89% for dk/dv at stride 256); else square tiles like the forward's.
+BACKWARD_WIDEN = 2
+WIDE_WORK = 1.15
+# (num_warps, num_stages) of a kernel by its tile (query rows, key rows), from
+# benchmarks/sparse_configs.py on an H100 (head dim 128); others: 4 warps, 2 stages up to 64,
+# else 8 warps and 1 stage (a 128 x 128 dk/dv tile needs more shared memory than an H100 has at
+# 3 stages with head dim 128)
 LAUNCH_OPTIONS = {
-    64: {"forward": (4, 3), "dkdv": (4, 2), "dq": (4, 2)},  # (benchmarks/sparse_configs.py)
-    128: {"forward": (8, 1), "dkdv": (8, 1), "dq": (8, 1)},
+    ("forward", 64, 64): (4, 3),
+    ("dkdv", 64, 64): (4, 2),
+    ("dq", 64, 64): (4, 2),
+    ("dkdv", 64, 128): (8, 3),
+    ("dq", 128, 64): (8, 3),
 }
 
 
-def _launch_options(kernel: str, block: int) -> dict:
-    warps, stages = LAUNCH_OPTIONS[64 if block <= 64 else 128][kernel]
+def _launch_options(kernel: str, layout: BlockLayout) -> dict:
+    tile = (layout.block_m, layout.block_n)
+    default = (4, 2) if max(tile) <= 64 else (8, 1)
+    warps, stages = LAUNCH_OPTIONS.get((kernel, *tile), default)
     return {"num_warps": warps, "num_stages": stages}
+
+
+def _layouts(
+    pattern: Pattern, seqlen: int, block: int, device: torch.device
+) -> tuple[BlockLayout, BlockLayout, BlockLayout]:
+    """The (forward, dq, dk/dv) layouts of a call (BACKWARD_WIDEN), each built once per shape."""
+    dq, dkdv = _backward_tiles(pattern, seqlen, block, BACKWARD_WIDEN, WIDE_WORK)
+    return (
+        block_layout(pattern, seqlen, block, device),
+        block_layout(pattern, seqlen, dq[0], device, block_n=dq[1]),
+        block_layout(pattern, seqlen, dkdv[0], device, block_n=dkdv[1]),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_tiles(
+    pattern: Pattern, seqlen: int, block: int, widen: int, most_work: float
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(dq tile, dk/dv tile) as (query rows, key rows), decided on the host's layouts."""
+    wide = widen * block
+    if wide == block or (pattern.block is not None and pattern.block % wide):
+        return (block, block), (block, block)
+    work = block_layout(pattern, seqlen, block).nnz * block * block
+    tiles = []
+    for bm, bn in ((wide, block), (block, wide)):
+        wider = block_layout(pattern, seqlen, bm, block_n=bn).nnz * bm * bn
+        tiles.append((bm, bn) if wider <= most_work * work else (block, block))
+    return tiles[0], tiles[1]
 
 
 def _geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None) -> tuple[int, int, int, int]:
@@ -401,21 +451,22 @@ def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
     block_d = max(16, triton.next_power_of_2(head_dim))
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     launch(
-        _sparse_fwd_kernel, (batch * heads, layout.tiles), q.device,
+        _sparse_fwd_kernel, (batch * heads, layout.tiles_m), q.device,
         q, k, v, out, lse, cu_seqlens, layout.order, layout.indptr, layout.indices,
         layout.kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(out), *stride_lse,
         layout.indptr.stride(0), layout.indices.stride(0), seqlen, left, right, scale * LOG2E,
         heads,
-        GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
-        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
-        PER_HEAD=layout.heads > 1, IS_VARLEN=varlen, INTERPRET=interpreter_enabled(),
-        **_launch_options("forward", layout.block),
+        GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=layout.block_m,
+        BLOCK_N=layout.block_n, STRIDE=stride, IS_CAUSAL=causal,
+        HAS_GLOBAL=layout.global_flags is not None, PER_HEAD=layout.heads > 1,
+        IS_VARLEN=varlen, INTERPRET=interpreter_enabled(), **_launch_options("forward", layout),
     )  # fmt: skip
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scale):
+def _backward(dout, q, k, v, out, lse, pattern, layouts, cu_seqlens, seqlen, scale):
+    """dq over the dq layout's rows, dk and dv over the dk/dv layout's columns (`_layouts`)."""
     batch, heads, heads_kv, head_dim = _geometry(q, k, cu_seqlens)
     varlen = cu_seqlens is not None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (all stored)
@@ -427,44 +478,47 @@ def _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scal
     interpret = interpreter_enabled()
     delta, lse2 = delta_and_lse2(out, dout, lse, cu_seqlens, seqlen, batch, heads)
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    left, right, stride, causal, flags = _rule_args(pattern, layout)
+    _, rows, cols = layouts
+    left, right, stride, causal, flags = _rule_args(pattern, rows)
     meta = dict(
-        GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=layout.block,
-        STRIDE=stride, IS_CAUSAL=causal, HAS_GLOBAL=layout.global_flags is not None,
-        PER_HEAD=layout.heads > 1, IS_VARLEN=varlen, INTERPRET=interpret,
+        GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, STRIDE=stride,
+        IS_CAUSAL=causal, HAS_GLOBAL=rows.global_flags is not None, PER_HEAD=rows.heads > 1,
+        IS_VARLEN=varlen, INTERPRET=interpret,
     )  # fmt: skip
     launch(
-        _sparse_dkdv_kernel, (batch * heads_kv, layout.tiles), q.device,
-        q, k, v, dout, lse2, delta, dk, dv, cu_seqlens, layout.t_order, layout.t_indptr,
-        layout.t_indices, layout.t_kinds, flags,
+        _sparse_dkdv_kernel, (batch * heads_kv, cols.tiles_n), q.device,
+        q, k, v, dout, lse2, delta, dk, dv, cu_seqlens, cols.t_order, cols.t_indptr,
+        cols.t_indices, cols.t_kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dk), *_layout(dv),
-        *stride_lse, layout.t_indptr.stride(0), layout.t_indices.stride(0), seqlen, left,
-        right, scale * LOG2E, scale, heads_kv, **meta, **_launch_options("dkdv", layout.block),
+        *stride_lse, cols.t_indptr.stride(0), cols.t_indices.stride(0), seqlen, left,
+        right, scale * LOG2E, scale, heads_kv, **meta, BLOCK_M=cols.block_m,
+        BLOCK_N=cols.block_n, **_launch_options("dkdv", cols),
     )  # fmt: skip
     launch(
-        _sparse_dq_kernel, (batch * heads, layout.tiles), q.device,
-        q, k, v, dout, lse2, delta, dq, cu_seqlens, layout.order, layout.indptr,
-        layout.indices, layout.kinds, flags,
+        _sparse_dq_kernel, (batch * heads, rows.tiles_m), q.device,
+        q, k, v, dout, lse2, delta, dq, cu_seqlens, rows.order, rows.indptr,
+        rows.indices, rows.kinds, flags,
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *stride_lse,
-        layout.indptr.stride(0), layout.indices.stride(0), seqlen, left, right, scale * LOG2E,
-        scale, heads, **meta, **_launch_options("dq", layout.block),
+        rows.indptr.stride(0), rows.indices.stride(0), seqlen, left, right, scale * LOG2E,
+        scale, heads, **meta, BLOCK_M=rows.block_m, BLOCK_N=rows.block_n,
+        **_launch_options("dq", rows),
     )  # fmt: skip
     return dq, dk, dv
 
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
-        out, lse = _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale)
+    def forward(ctx, q, k, v, pattern, layouts, cu_seqlens, seqlen, scale):
+        out, lse = _forward(q, k, v, pattern, layouts[0], cu_seqlens, seqlen, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.args = (pattern, layout, seqlen, scale)
+        ctx.args = (pattern, layouts, seqlen, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        pattern, layout, seqlen, scale = ctx.args
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, pattern, layout, cu_seqlens, seqlen, scale)
+        pattern, layouts, seqlen, scale = ctx.args
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, pattern, layouts, cu_seqlens, seqlen, scale)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -532,9 +586,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, block: int, scale: f
     """The kernels on batched sequences, outside torch.compile's graphs (a graph break around
     them, as memfit's other Triton ops have: a compiled block runs the kernels instead of
     tracing the dense fallback). A dilated pattern regroups the tokens into its interleaved
-    subsequences, one after another in the batch, and back. A pattern that is a window and
-    nothing else (local, dilated) in fp16/bf16 runs memfit's FlashAttention with that window
-    (WINDOWS_TO_FLASH): its banded kernels are the faster ones for a band."""
+    subsequences, one after another in the batch, and back; without a window, those are dense
+    and in fp16/bf16 memfit's FlashAttention runs long ones (DENSE_TO_FLASH)."""
     batch, seqlen = q.shape[:2]
     dilation = pattern.dilation
     if dilation > 1:
@@ -543,13 +596,16 @@ def _run(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, block: int, scale: f
             return t.unflatten(1, (seqlen // dilation, dilation)).transpose(1, 2).flatten(0, 1)
 
         q, k, v = split(q), split(k), split(v)
-    if WINDOWS_TO_FLASH and _window_only(pattern) and q.dtype in (torch.float16, torch.bfloat16):
-        left, right = (None if side >= NO_LIMIT else side for side in pattern.window)
-        out = flash_attention(q, k, v, causal=pattern.causal, window=(left, right),
-                              softmax_scale=scale)  # fmt: skip
+    if (
+        DENSE_TO_FLASH is not None
+        and seqlen // dilation >= DENSE_TO_FLASH
+        and _dense_subsequences(pattern)
+        and q.dtype in (torch.float16, torch.bfloat16)
+    ):
+        out = flash_attention(q, k, v, causal=pattern.causal, softmax_scale=scale)
     else:
-        layout = block_layout(pattern, seqlen, block, q.device)
-        out = _SparseAttention.apply(q, k, v, pattern, layout, None, layout.seqlen, scale)
+        layouts = _layouts(pattern, seqlen, block, q.device)
+        out = _SparseAttention.apply(q, k, v, pattern, layouts, None, layouts[0].seqlen, scale)
     if dilation > 1:
         out = out.unflatten(0, (batch, dilation)).transpose(1, 2).flatten(1, 2)
     return out
@@ -618,5 +674,5 @@ def sparse_attention_varlen(
 @torch.compiler.disable
 def _run_varlen(q, k, v, cu_seqlens, pattern, max_seqlen, block, scale) -> Tensor:
     """`_run` for packed sequences."""
-    layout = block_layout(pattern, max_seqlen, block, q.device)
-    return _SparseAttention.apply(q, k, v, pattern, layout, cu_seqlens, max_seqlen, scale)
+    layouts = _layouts(pattern, max_seqlen, block, q.device)
+    return _SparseAttention.apply(q, k, v, pattern, layouts, cu_seqlens, max_seqlen, scale)

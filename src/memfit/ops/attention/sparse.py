@@ -355,19 +355,23 @@ def _rule(pattern: Pattern, i: Tensor, j: Tensor, seqlen: int) -> Tensor:
 class BlockLayout:
     """The tiles a block-sparse kernel visits (module docstring), for one sequence length.
 
-    indptr (heads, tiles + 1) int32 and indices, kinds (heads, most entries) int32: in head h's
-    layout (heads = 1: one shared by every head) query block b visits key blocks
-    indices[h, indptr[h, b]:indptr[h, b + 1]] (ascending) with those kinds; t_indptr,
-    t_indices, t_kinds: the same by key block (the query blocks that see it). `tiles` blocks of
-    `block` tokens.
+    Tiles are `block_m` queries x `block_n` keys (square for the forward; the backward's dq
+    and dk/dv programs take rectangles); `tiles_m` query blocks, `tiles_n` key blocks.
+    indptr (heads, tiles_m + 1) int32 and indices, kinds (heads, most entries) int32: in head
+    h's layout (heads = 1: one shared by every head) query block b visits key blocks
+    indices[h, indptr[h, b]:indptr[h, b + 1]] (ascending) with those kinds; t_indptr
+    (heads, tiles_n + 1), t_indices, t_kinds: the same by key block (the query blocks that see
+    it).
     order, t_order: (tiles,) int32, the query (key) blocks by their count of tiles over all
     heads, longest first: the order the kernels' programs take them in, so that a global
     token's long row or column starts first instead of last.
     global_flags: (seqlen,) int8, 1 at the pattern's global tokens (None without any)."""
 
     seqlen: int
-    block: int
-    tiles: int
+    block_m: int
+    block_n: int
+    tiles_m: int
+    tiles_n: int
     indptr: Tensor
     indices: Tensor
     kinds: Tensor
@@ -383,22 +387,35 @@ class BlockLayout:
         return self.indptr.shape[0]
 
     @property
+    def block(self) -> int:
+        """The tile size of a square layout."""
+        if self.block_m != self.block_n:
+            raise ValueError(f"a layout of {self.block_m} x {self.block_n} tiles is not square")
+        return self.block_m
+
+    @property
+    def tiles(self) -> int:
+        """Query blocks (= key blocks of a square layout)."""
+        return self.tiles_m
+
+    @property
     def nnz(self) -> int:
         """Tiles visited, over every head's layout."""
         return int(self.indptr[:, -1].sum())
 
     @property
     def density(self) -> float:
-        """The part of all (tiles x tiles) tiles that are visited (on average over heads)."""
-        return self.nnz / (self.heads * self.tiles**2)
+        """The part of all (tiles_m x tiles_n) tiles that are visited (on average over
+        heads)."""
+        return self.nnz / (self.heads * self.tiles_m * self.tiles_n)
 
     def dense(self, head: int = 0) -> Tensor:
-        """(tiles, tiles) int8 of head `head`'s layout: -1 where no tile is visited, else its
-        kind."""
-        out = torch.full((self.tiles, self.tiles), -1, dtype=torch.int8)
+        """(tiles_m, tiles_n) int8 of head `head`'s layout: -1 where no tile is visited, else
+        its kind."""
+        out = torch.full((self.tiles_m, self.tiles_n), -1, dtype=torch.int8)
         indptr = self.indptr[head].cpu().long()
         count = int(indptr[-1])
-        rows = torch.repeat_interleave(torch.arange(self.tiles), indptr[1:] - indptr[:-1])
+        rows = torch.repeat_interleave(torch.arange(self.tiles_m), indptr[1:] - indptr[:-1])
         out[rows, self.indices[head, :count].cpu().long()] = (
             self.kinds[head, :count].cpu().to(torch.int8)
         )
@@ -417,47 +434,53 @@ def _stack(lists: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, 
     return indptr, indices, kinds
 
 
-def _csr(rows: Tensor, cols: Tensor, kinds: Tensor, tiles: int) -> tuple[Tensor, Tensor, Tensor]:
-    order = torch.argsort(rows * tiles + cols)
+def _csr(
+    rows: Tensor, cols: Tensor, kinds: Tensor, n_rows: int, n_cols: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    order = torch.argsort(rows * n_cols + cols)
     rows, cols, kinds = rows[order], cols[order], kinds[order]
-    counts = torch.bincount(rows, minlength=tiles)
-    indptr = torch.zeros(tiles + 1, dtype=torch.int64, device=rows.device)
+    counts = torch.bincount(rows, minlength=n_rows)
+    indptr = torch.zeros(n_rows + 1, dtype=torch.int64, device=rows.device)
     indptr[1:] = torch.cumsum(counts, 0)
     return indptr.to(torch.int32), cols.to(torch.int32), kinds.to(torch.int32)
 
 
-def _candidates(pattern: Pattern, seqlen: int, block: int, tiles: int, device) -> Tensor:
-    """(n, 2) (query block, key block) pairs that may hold an allowed pair under the rule: the
-    band's tiles, the global tokens' rows and columns, the strided columns' tiles."""
-    q = torch.arange(tiles, device=device)
+def _candidates(pattern: Pattern, seqlen: int, bm: int, bn: int, device) -> Tensor:
+    """(n, 2) (query block, key block) pairs of (bm x bn)-token tiles that may hold an allowed
+    pair under the rule: the band's tiles, the global tokens' rows and columns, the strided
+    columns' tiles."""
+    q = torch.arange(-(-seqlen // bm), device=device)
+    k = torch.arange(-(-seqlen // bn), device=device)
     found = []
     if pattern.window is not None:
         left, right = pattern.window
-        first = ((q * block - left).clamp(min=0)) // block
-        last = ((q * block + block - 1 + right).clamp(max=seqlen - 1)) // block
+        first = ((q * bm - left).clamp(min=0)) // bn
+        last = ((q * bm + bm - 1 + right).clamp(max=seqlen - 1)) // bn
         width = int((last - first).max()) + 1
         cols = first[:, None] + torch.arange(width, device=device)[None, :]
         keep = cols <= last[:, None]
         found.append(torch.stack([q[:, None].expand_as(cols)[keep], cols[keep]], 1))
     columns = set()
     if pattern.stride:
-        columns |= {c // block for c in range(pattern.stride - 1, seqlen, pattern.stride)}
-    columns |= {t // block for t in pattern.global_tokens}
+        columns |= {c // bn for c in range(pattern.stride - 1, seqlen, pattern.stride)}
+    columns |= {t // bn for t in pattern.global_tokens}
     if columns:
         cols = torch.tensor(sorted(columns), device=device)
         found.append(torch.cartesian_prod(q, cols))
     if pattern.global_tokens:
-        rows = torch.tensor(sorted({t // block for t in pattern.global_tokens}), device=device)
-        found.append(torch.cartesian_prod(rows, q))
+        rows = torch.tensor(sorted({t // bm for t in pattern.global_tokens}), device=device)
+        found.append(torch.cartesian_prod(rows, k))
     if not found:
         return torch.zeros((0, 2), dtype=torch.long, device=device)
     pairs = torch.unique(torch.cat(found), dim=0)
-    if pattern.causal:
-        pairs = pairs[pairs[:, 1] <= pairs[:, 0]]
+    if pattern.causal:  # (a key block starting after the query block's last row: none)
+        pairs = pairs[pairs[:, 1] * bn <= pairs[:, 0] * bm + bm - 1]
     return pairs
 
 
-def _classify(pattern: Pattern, pairs: Tensor, seqlen: int, block: int) -> tuple[Tensor, Tensor]:
+def _classify(
+    pattern: Pattern, pairs: Tensor, seqlen: int, bm: int, bn: int
+) -> tuple[Tensor, Tensor]:
     """For each candidate tile: whether any pair is allowed, and whether every in-bounds pair
     is (FULL; a tile the rule's union happens to fill may come out RULE, which masks nothing
     wrong). Decided from the tile's bounds where they suffice -- inside the band, or strictly
@@ -465,9 +488,9 @@ def _classify(pattern: Pattern, pairs: Tensor, seqlen: int, block: int) -> tuple
     column or a global token's row or column -- and token by token, in batches, for the rest
     (the diagonal's tiles): a 128k-token layout costs seconds, not minutes."""
     rows, cols = pairs[:, 0], pairs[:, 1]
-    row_lo, row_hi = rows * block, (rows * block + block - 1).clamp(max=seqlen - 1)
-    col_lo, col_hi = cols * block, (cols * block + block - 1).clamp(max=seqlen - 1)
-    below = cols < rows if pattern.causal else torch.ones_like(rows, dtype=torch.bool)
+    row_lo, row_hi = rows * bm, (rows * bm + bm - 1).clamp(max=seqlen - 1)
+    col_lo, col_hi = cols * bn, (cols * bn + bn - 1).clamp(max=seqlen - 1)
+    below = col_hi < row_lo if pattern.causal else torch.ones_like(rows, dtype=torch.bool)
     full = torch.zeros_like(below)
     touched = torch.zeros_like(below)
     if pattern.window is not None:
@@ -480,19 +503,20 @@ def _classify(pattern: Pattern, pairs: Tensor, seqlen: int, block: int) -> tuple
         first = (col_lo + pattern.stride) // pattern.stride * pattern.stride - 1  # (>= col_lo)
         touched |= first <= col_hi
     if pattern.global_tokens:
-        tiles = torch.zeros(-(-seqlen // block), dtype=torch.bool)
-        tiles[[t // block for t in pattern.global_tokens if t < seqlen]] = True
-        touched |= tiles[cols] | tiles[rows]
+        row_tiles = torch.zeros(-(-seqlen // bm), dtype=torch.bool)
+        row_tiles[[t // bm for t in pattern.global_tokens if t < seqlen]] = True
+        col_tiles = torch.zeros(-(-seqlen // bn), dtype=torch.bool)
+        col_tiles[[t // bn for t in pattern.global_tokens if t < seqlen]] = True
+        touched |= col_tiles[cols] | row_tiles[rows]
     decided = full | (below & touched)
     any_allowed, all_allowed = decided.clone(), full.clone()
     rest = (~decided).nonzero().flatten()
-    offsets = torch.arange(block, device=pairs.device)
-    step = max(1, _PAIRS_PER_BATCH // (block * block))
+    step = max(1, _PAIRS_PER_BATCH // (bm * bn))
     for start in range(0, len(rest), step):
         index = rest[start : start + step]
         chunk = pairs[index]
-        i = (chunk[:, 0:1] * block + offsets[None, :])[:, :, None]  # (n, B, 1)
-        j = (chunk[:, 1:2] * block + offsets[None, :])[:, None, :]  # (n, 1, B)
+        i = (chunk[:, 0:1] * bm + torch.arange(bm)[None, :])[:, :, None]  # (n, bm, 1)
+        j = (chunk[:, 1:2] * bn + torch.arange(bn)[None, :])[:, None, :]  # (n, 1, bn)
         allowed = _rule(pattern, i, j, seqlen)
         inside = (i < seqlen) & (j < seqlen)
         any_allowed[index] = allowed.flatten(1).any(1)
@@ -520,39 +544,49 @@ def _whole_blocks(
 
 
 def block_layout(
-    pattern: Pattern, seqlen: int, block: int, device: torch.device | str = "cpu"
+    pattern: Pattern,
+    seqlen: int,
+    block: int,
+    device: torch.device | str = "cpu",
+    *,
+    block_n: int | None = None,
 ) -> BlockLayout:
     """The layout of `pattern` for sequences of `seqlen` tokens in `block`-token tiles, on
     `device`; built once per (pattern, seqlen, block, device) and cached. A pattern's random or
     user blocks may be larger than the tiles (a multiple: each is listed as its tiles). For a
     dilated pattern the layout is the one each interleaved subsequence (seqlen / dilation
-    tokens) uses."""
+    tokens) uses. `block_n`: key blocks of another size (rectangular tiles of `block` queries x
+    `block_n` keys, as the backward's programs take them)."""
+    block_n = block_n or block
     pattern.check(seqlen, block)
-    return _block_layout(pattern, seqlen // pattern.dilation, block, str(torch.device(device)))
+    pattern.check(seqlen, block_n)
+    return _block_layout(
+        pattern, seqlen // pattern.dilation, block, block_n, str(torch.device(device))
+    )
 
 
-def _rule_tiles(pattern: Pattern, seqlen: int, block: int) -> tuple[Tensor, Tensor]:
-    """(n, 2) tiles of `block` tokens holding a pair the token rule allows, and their kinds
+def _rule_tiles(pattern: Pattern, seqlen: int, bm: int, bn: int) -> tuple[Tensor, Tensor]:
+    """(n, 2) tiles of (bm x bn) tokens holding a pair the token rule allows, and their kinds
     (FULL or RULE)."""
-    pairs = _candidates(pattern, seqlen, block, -(-seqlen // block), "cpu")
-    seen, whole = _classify(pattern, pairs, seqlen, block)
+    pairs = _candidates(pattern, seqlen, bm, bn, "cpu")
+    seen, whole = _classify(pattern, pairs, seqlen, bm, bn)
     return pairs[seen], torch.where(whole[seen], FULL, RULE)
 
 
 @functools.lru_cache(maxsize=64)
-def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> BlockLayout:
+def _block_layout(pattern: Pattern, seqlen: int, bm: int, bn: int, device: str) -> BlockLayout:
     if device != "cpu":  # (built once on the host: the planner's copy, then moved)
-        host = _block_layout(pattern, seqlen, block, "cpu")
+        host = _block_layout(pattern, seqlen, bm, bn, "cpu")
         return BlockLayout(**{
             name: value.to(device) if isinstance(value, Tensor) else value
             for name, value in vars(host).items()
         })  # fmt: skip
-    tiles = -(-seqlen // block)
-    rule_pairs, rule_kinds = _rule_tiles(pattern, seqlen, block)
-    grid = pattern.block or block  # (whole blocks are drawn on the pattern's grid of tiles)
-    split = grid // block
+    tiles_m, tiles_n = -(-seqlen // bm), -(-seqlen // bn)
+    rule_pairs, rule_kinds = _rule_tiles(pattern, seqlen, bm, bn)
+    grid = pattern.block or bm  # (whole blocks are drawn on the pattern's grid of tiles)
     if pattern.random_blocks:
-        grid_pairs = rule_pairs if split == 1 else _rule_tiles(pattern, seqlen, grid)[0]
+        same = grid == bm == bn
+        grid_pairs = rule_pairs if same else _rule_tiles(pattern, seqlen, grid, grid)[0]
         taken = torch.zeros((-(-seqlen // grid),) * 2, dtype=torch.bool)
         taken[grid_pairs[:, 0], grid_pairs[:, 1]] = True
     generator = torch.Generator().manual_seed(pattern.seed)
@@ -562,26 +596,27 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
         if pattern.random_blocks or pattern.blocks is not None:
             extra = _whole_blocks(pattern, taken if pattern.random_blocks else None,
                                   -(-seqlen // grid), head, generator)  # fmt: skip
-            if split > 1:  # each grid block as split x split kernel tiles
-                offsets = torch.cartesian_prod(torch.arange(split), torch.arange(split))
-                extra = (extra[:, None, :] * split + offsets[None]).flatten(0, 1)
-                extra = extra[(extra < tiles).all(1)]
-            if pattern.causal:
-                extra = extra[extra[:, 1] <= extra[:, 0]]
+            # each grid block as (grid / bm) x (grid / bn) kernel tiles
+            offsets = torch.cartesian_prod(torch.arange(grid // bm), torch.arange(grid // bn))
+            scale = torch.tensor([grid // bm, grid // bn])
+            extra = (extra[:, None, :] * scale + offsets[None]).flatten(0, 1)
+            extra = extra[(extra[:, 0] < tiles_m) & (extra[:, 1] < tiles_n)]
+            if pattern.causal:  # (tiles wholly above the diagonal go)
+                extra = extra[extra[:, 1] * bn <= extra[:, 0] * bm + bm - 1]
             # a whole tile replaces what the rule listed there; on the diagonal (causal) it is
             # masked by causality alone
             extra_kinds = torch.full((len(extra),), FULL, dtype=torch.long)
             if pattern.causal:
-                extra_kinds[extra[:, 1] == extra[:, 0]] = CAUSAL
-            replaced = torch.zeros((tiles, tiles), dtype=torch.bool)
+                extra_kinds[(extra[:, 1] + 1) * bn - 1 > extra[:, 0] * bm] = CAUSAL
+            replaced = torch.zeros((tiles_m, tiles_n), dtype=torch.bool)
             replaced[extra[:, 0], extra[:, 1]] = True
             keep = ~replaced[pairs[:, 0], pairs[:, 1]]
             pairs = torch.cat([pairs[keep], extra])
             kinds = torch.cat([kinds[keep], extra_kinds])
         if not len(pairs):
             raise ValueError(f"{pattern} lets no token see any key in a sequence of {seqlen}")
-        by_query.append(_csr(pairs[:, 0], pairs[:, 1], kinds, tiles))
-        by_key.append(_csr(pairs[:, 1], pairs[:, 0], kinds, tiles))
+        by_query.append(_csr(pairs[:, 0], pairs[:, 1], kinds, tiles_m, tiles_n))
+        by_key.append(_csr(pairs[:, 1], pairs[:, 0], kinds, tiles_n, tiles_m))
     indptr, indices, kind = _stack(by_query)
     t_indptr, t_indices, t_kind = _stack(by_key)
     order, t_order = (
@@ -595,7 +630,8 @@ def _block_layout(pattern: Pattern, seqlen: int, block: int, device: str) -> Blo
         flags[list(pattern.global_tokens)] = 1
         flags = move(flags)
     return BlockLayout(
-        seqlen=seqlen, block=block, tiles=tiles, indptr=move(indptr), indices=move(indices),
+        seqlen=seqlen, block_m=bm, block_n=bn, tiles_m=tiles_m, tiles_n=tiles_n,
+        indptr=move(indptr), indices=move(indices),
         kinds=move(kind), t_indptr=move(t_indptr), t_indices=move(t_indices),
         t_kinds=move(t_kind), order=move(order), t_order=move(t_order), global_flags=flags,
     )  # fmt: skip
@@ -606,7 +642,7 @@ def keys_per_query(pattern: Pattern, seqlen: int, block: int = SPEC_BLOCK) -> fl
     block^2 / seqlen (over all `dilation` subsequences) -- the planner's measure of a pattern's
     attention FLOPs, which a dense causal layer spends on about seqlen / 2."""
     layout = block_layout(pattern, seqlen, tile_for(pattern, block))
-    return pattern.dilation * layout.nnz / layout.heads * layout.block**2 / seqlen
+    return pattern.dilation * layout.nnz / layout.heads * layout.block_m * layout.block_n / seqlen
 
 
 def dense_mask(
