@@ -829,41 +829,195 @@ def serve_table(run: dict) -> str:
 
 def lora_table(run: dict) -> str:
     """benchmarks/lora.py: LoRA training, memfit against transformers + peft; QLoRA against
-    memfit's LoRA at the same micro-batch."""
-    peer = next((r for r in run["records"] if "peft" in r), {})
+    memfit's LoRA at the same micro-batch. The newest record of each (model, micro-batch,
+    system) among the runs on the newest run's GPU that record the plan (a model or two per
+    call: one table)."""
+    gpu = run["env"].get("gpu")
+    runs = [  # (runs that record the plan: the benchmark as it is now)
+        r for r in run["all_runs"]
+        if r["env"].get("gpu") == gpu and any("planned_peak_gib" in x for x in r["records"])
+    ]  # fmt: skip
+    records = _latest(
+        [
+            rec | {"micro_batch": rec.get("micro_batch", r["micro_batch"]),
+                   "commit": r["env"]["commit"]}
+            for r in runs for rec in r["records"]
+        ],
+        lambda r: (r["model"], r["micro_batch"], r["system"]),
+    )  # fmt: skip
+    peer = next((r for r in records if "peft" in r), {})
+    commits = ", ".join(dict.fromkeys(r["commit"] for r in records))
+    env = run["env"] | {"commit": commits}
     lines = [
         _env_line(
-            run, f"transformers {peer.get('transformers', '-')}, peft {peer.get('peft', '-')}."
-        ),  # fmt: skip
+            run | {"env": env},
+            f"transformers {peer.get('transformers', '-')}, peft {peer.get('peft', '-')}.",
+        ),
         "",
         f"Random weights, the base frozen in bf16, rank {run['rank']} adapters (alpha "
         f"{2 * run['rank']}) on every linear layer in fp32, bf16 autocast, AdamW, activation "
-        f"checkpointing, sequence {run['seq_len']}:",
+        f"checkpointing (every block unless said), sequence {run['seq_len']}; planned: "
+        "`memfit plan`'s peak for the same run:",
         "",
-        "| model | micro-batch | system | tokens/s | peak | trainable parameters |",
-        "|---|---|---|---|---|---|",
+        "| model | micro-batch | system | tokens/s | peak | planned peak | trainable parameters |",
+        "|---|---|---|---|---|---|---|",
     ]
-    records = [
-        r | {"micro_batch": r.get("micro_batch", run["micro_batch"])} for r in run["records"]
-    ]
-    for model, batch in dict.fromkeys((r["model"], r["micro_batch"]) for r in records):
+    for model, batch in sorted(dict.fromkeys((r["model"], r["micro_batch"]) for r in records)):
         rows = {r["system"]: r for r in records if (r["model"], r["micro_batch"]) == (model, batch)}
         theirs, ours = rows.get("transformers+peft", {}), rows.get("memfit", {})
         for system, r in rows.items():
             if "error" in r:
-                lines.append(f"| {model} | {batch} | {system} | {r['error'][:60]} | - | - |")
+                lines.append(f"| {model} | {batch} | {system} | {r['error'][:60]} | - | - | - |")
                 continue
             speed, peak = f"{r['tokens_per_s']:,.0f}", f"{r['peak_gib']:.2f} GiB"
-            if system == "memfit" and "tokens_per_s" in theirs:
+            if r.get("checkpoint_blocks"):
+                system += f" ({r['checkpoint_blocks']} blocks checkpointed)"
+            if system.startswith("memfit QLoRA"):
+                if "tokens_per_s" in ours:
+                    speed += f" ({r['tokens_per_s'] / ours['tokens_per_s']:.2f}x LoRA)"
+            elif system.startswith("memfit") and "tokens_per_s" in theirs:
                 speed = f"**{speed}** ({r['tokens_per_s'] / theirs['tokens_per_s']:.2f}x)"
                 peak += f" ({r['peak_gib'] / theirs['peak_gib'] - 1:+.0%})"
-            elif system.startswith("memfit QLoRA") and "tokens_per_s" in ours:
-                speed += f" ({r['tokens_per_s'] / ours['tokens_per_s']:.2f}x LoRA)"
+            planned = "-"
+            if "planned_peak_gib" in r:
+                error = r["planned_peak_gib"] / r["peak_gib"] - 1
+                planned = f"{r['planned_peak_gib']:.2f} GiB ({error:+.1%})"
             lines.append(
-                f"| {model} | {batch} | {system} | {speed} | {peak} | "
+                f"| {model} | {batch} | {system} | {speed} | {peak} | {planned} | "
                 f"{r['trainable_params'] / 1e6:.1f}M |"
             )
     return "\n".join(lines)
+
+
+def distill_table(run: dict) -> str:
+    """benchmarks/distill.py: the distillation loss, forward + backward, against the unfused
+    loss a user writes."""
+    lines = [
+        _env_line(run, "median of CUDA-event times after warm-up."),
+        "",
+        f"Student hidden {run['student_hidden']}, teacher hidden {run['teacher_hidden']}, "
+        f"vocabulary {run['vocab']:,}, bf16 autocast, KL at temperature 2, alpha 0.5; extra: "
+        "the peak the loss adds over its inputs and weights:",
+        "",
+        "| tokens | system | forward + backward | extra memory |",
+        "|---|---|---|---|",
+    ]
+    records = _latest(run["records"], lambda r: (r["tokens"], r["system"]))
+    for r in records:
+        base = next(x for x in records if x["tokens"] == r["tokens"] and x["system"] == "unfused")
+        versus = "" if r is base else f" ({r['ms'] / base['ms']:.2f}x)"
+        extra = "" if r is base else f" ({r['extra_gib'] / base['extra_gib']:.2f}x)"
+        lines.append(
+            f"| {r['tokens']:,} | {r['system']} | {r['ms']:.1f} ms{versus} | "
+            f"{r['extra_gib']:.2f} GiB{extra} |"
+        )
+    return "\n".join(lines)
+
+
+def _sparse_rows(run: dict) -> dict[tuple, dict]:
+    return {(r["seqlen"], r["pattern"], r["system"]): r for r in run["records"]}
+
+
+def sparse_attention_table(run: dict) -> str:
+    """benchmarks/sparse_attention.py: memfit's sparse attention against torch.compile(Flex)
+    with the same masks, and against memfit's dense causal FlashAttention."""
+    rows = _sparse_rows(run)
+    lines = [
+        _env_line(run, "median of CUDA-event times after warm-up."),
+        "",
+        f"Batch 1, {run['heads']} heads, head dim {run['head_dim']}, bf16; forward + backward "
+        "(forward alone), ms:",
+        "",
+        "| N | pattern | memfit | Flex | memfit vs Flex | memfit vs dense causal |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def ms(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        if "error" in r:
+            return r["error"].split(":")[0]
+        return f"{r['forward_backward_ms']:.2f} ({r['forward_ms']:.2f})"
+
+    for n in sorted({key[0] for key in rows}):
+        dense = rows.get((n, "dense causal", "memfit flash"))
+        for pattern in dict.fromkeys(key[1] for key in rows if key[0] == n):
+            if pattern == "dense causal":
+                continue
+            flex = rows.get((n, pattern, "flex"))
+            for system in ("memfit", "memfit block-sparse kernels"):
+                r = rows.get((n, pattern, system))
+                if r is None or "error" in r:
+                    continue
+                name = pattern if system == "memfit" else f"{pattern} (block-sparse kernels)"
+                versus = "-"
+                if flex and "error" not in flex:
+                    versus = f"{flex['forward_backward_ms'] / r['forward_backward_ms']:.2f}x"
+                to_dense = "-"
+                if dense and "error" not in dense:
+                    to_dense = f"{r['forward_backward_ms'] / dense['forward_backward_ms']:.2f}x"
+                lines.append(
+                    f"| {n // 1024}k | {name} | {ms(r)} | {ms(flex if system == 'memfit' else None)}"
+                    f" | {versus if system == 'memfit' else '-'} | {to_dense} |"
+                )
+        if dense:
+            lines.append(
+                f"| {n // 1024}k | dense causal (memfit flash) | {ms(dense)} | - | - | 1x |"
+            )
+    return "\n".join(lines)
+
+
+def sparse_scaling_table(run: dict) -> str:
+    """benchmarks/sparse_attention.py --systems memfit over N: time and extra memory."""
+    rows = _sparse_rows(run)
+    lengths = sorted({key[0] for key in rows})
+    lines = [
+        _env_line(run, "median of CUDA-event times after warm-up."),
+        "",
+        "Forward + backward in ms / the memory it adds in MiB, batch 1, "
+        f"{run['heads']} heads, head dim {run['head_dim']}, bf16:",
+        "",
+        "| pattern | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for pattern, system in dict.fromkeys((key[1], key[2]) for key in rows):
+        cells = []
+        for n in lengths:
+            r = rows.get((n, pattern, system))
+            ok = r is not None and "error" not in r
+            cells.append(f"{r['forward_backward_ms']:.2f} / {r['extra_mib']:,.0f}" if ok else "-")
+        lines.append(f"| {pattern} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sparse_train_table(run: dict) -> str:
+    """benchmarks/sparse_attention.py --train: llama-1b training with a pattern on every layer
+    against dense memfit flash."""
+    records = _latest(run["records"], lambda r: r["pattern"])
+    lines = [
+        _env_line(run, "median step after warm-up."),
+        "",
+        f"llama-1b shapes, random weights, sequence {records[0]['seqlen']:,}, micro-batch 1, "
+        "bf16, full checkpointing:",
+        "",
+        "| attention | pattern | tokens/s | peak |",
+        "|---|---|---|---|",
+    ]
+    dense = next((r for r in records if r["pattern"] == "dense"), {})
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['pattern']} | `{r['spec']}` | {r['error'][:60]} | - |")
+            continue
+        speed = f"{r['tokens_per_s']:,.0f}"
+        if r is not dense and "tokens_per_s" in dense:
+            speed += f" ({r['tokens_per_s'] / dense['tokens_per_s']:.2f}x)"
+        spec = f"`{r['spec']}`" if r["spec"] else "dense causal (memfit flash)"
+        lines.append(f"| {r['pattern']} | {spec} | {speed} | {r['peak_gib']:.2f} GiB |")
+    return "\n".join(lines)
+
+
+def _with_flex(run: dict) -> bool:
+    return any(r["system"] == "flex" for r in run.get("records", []))
 
 
 def _saturation_lines(rows: list[dict]) -> list[str]:
@@ -925,6 +1079,15 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "inference": ("inference", inference_table, _has("kernel"), True),
     "serve": ("serve", serve_table, _has("peer"), True),
     "lora": ("lora", lora_table, _has("records"), True),
+    "distill": ("distill", distill_table, _has("records"), True),
+    "sparse_attention": ("sparse_attention", sparse_attention_table, _with_flex, True),
+    "sparse_scaling": (
+        "sparse_attention",
+        sparse_scaling_table,
+        lambda run: not _with_flex(run) and len({r["seqlen"] for r in run["records"]}) > 2,
+        True,
+    ),
+    "sparse_train": ("sparse_attention_train", sparse_train_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 
