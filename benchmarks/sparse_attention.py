@@ -20,6 +20,7 @@ block-sparse kernels at every length), "flex".
     python benchmarks/sparse_attention.py                       # N = 16k and 64k
     python benchmarks/sparse_attention.py --lengths 4096 16384 65536 131072 --systems memfit
     python benchmarks/sparse_attention.py --train                # llama-1b training at 16k
+    python benchmarks/sparse_attention.py --decode --lengths 8192 32768 131072  # paged decode
 
 --train: `memfit train`'s engine on llama-1b shapes (random weights, max_seq_len raised to the
 length) at sequence 16384, micro-batch 1, bf16, full checkpointing: dense memfit flash against
@@ -180,6 +181,45 @@ def train_rows(seqlen: int, steps: int) -> list[dict]:
     return rows
 
 
+DECODE_PATTERNS = {"dense": (None, 0), "local 256": (256, 0), "strided 256": (256, 256)}
+
+
+def decode_rows(lengths: list[int], batch: int = 8) -> list[dict]:
+    """One decode step of the paged kernels (memfit.ops.attention.paged, the engine's) for
+    `batch` sequences of each length: llama-3-8b's attention shape (32 query heads, 8 kv heads
+    of 128), bf16, 16-token pages in a shuffled block table; dense causal, a local window of
+    256 and the strided pattern (window 256 + every 256th column)."""
+    from memfit.ops.attention.paged import paged_attention
+
+    rows = []
+    for n in lengths:
+        pages = -(-n // 16)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        pools = [
+            torch.randn(batch * pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2)
+        ]
+        table = torch.randperm(batch * pages, device="cuda").int().view(batch, pages)
+        q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        meta = {
+            "block_table": table,
+            "seq_lens": torch.full((batch,), n, dtype=torch.int32, device="cuda"),
+            "query_start": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            "max_query_len": 1,
+            "max_seq_len": n,
+        }
+        for name, (window, stride) in DECODE_PATTERNS.items():
+
+            def step(q=q, pools=pools, meta=meta, window=window, stride=stride):
+                return paged_attention(q, *pools, **meta, window=window, stride=stride)
+
+            times = harness.time_calls(step, warmup=3, repeat=20)
+            row = {"seqlen": n, "batch": batch, "pattern": name, "us": harness.median(times) * 1e6}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
@@ -191,8 +231,15 @@ def main() -> None:
     )
     parser.add_argument("--train", action="store_true", help="the llama-1b training rows")
     parser.add_argument("--train-steps", type=int, default=6)
+    parser.add_argument(
+        "--decode", action="store_true", help="the paged decode step over --lengths, batch 8"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.decode:
+        run = {"env": harness.environment(), "records": decode_rows(args.lengths)}
+        print(f"results: {harness.append_results('sparse_decode', run, args.out)}")
+        return
     if args.train:
         run = {"env": harness.environment(), "records": train_rows(16384, args.train_steps)}
         print(f"results: {harness.append_results('sparse_attention_train', run, args.out)}")

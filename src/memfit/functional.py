@@ -118,6 +118,7 @@ def attention(
     backend: str = "sdpa",
     mask: Tensor | None = None,
     metadata=None,
+    stride: int = 0,
 ) -> Tensor:
     """Scaled dot-product attention with grouped key/value heads.
 
@@ -131,7 +132,8 @@ def attention(
     `metadata` (memfit.nn.AttentionMetadata) with a block table: k and v are a paged cache's
     block pools of one layer (num_blocks, block_size, heads_kv, head_dim), q holds the step's
     tokens flattened (1, tokens, heads_q, head_dim), each attending to its own sequence's blocks
-    up to its position: the "paged" backend runs.
+    up to its position: the "paged" backend runs; there `stride` S > 0 beside a `window` also
+    shows each query the summary columns S - 1, 2S - 1, ... (a strided sparse pattern).
     backend: a registered name: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa
     (torch's fused attention), eager (materializes the scores; a reference), or auto
     (`resolve_attention`).
@@ -153,6 +155,11 @@ def attention(
             f"unknown attention backend {backend!r}; registered: {', '.join(_ATTENTION_BACKENDS)}"
         )
     kernel = _ATTENTION_BACKENDS[backend]
+    if stride:
+        if backend != "paged":
+            raise ValueError("stride (a strided pattern's summary columns) takes a paged cache")
+        return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata,
+                      stride=stride)  # fmt: skip
     return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata)
 
 
@@ -224,8 +231,9 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metad
 
 
 def _paged_reference(
-    q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata
-) -> Tensor:
+    q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata,
+    stride: int = 0,
+) -> Tensor:  # fmt: skip
     """Paged attention in plain PyTorch, the reference the paged Triton kernels replace: each
     token's sequence's blocks are gathered into (tokens, blocks x block_size, heads_kv, head_dim)
     and attended under the mask of the positions up to the token's (within the window)."""
@@ -236,7 +244,10 @@ def _paged_reference(
     positions = metadata.positions[:, None]
     allowed = key_positions[None, :] <= positions  # (T, S)
     if window is not None:
-        allowed &= key_positions[None, :] > positions - window
+        inside = key_positions[None, :] > positions - window
+        if stride:  # (a strided pattern's summary columns)
+            inside |= ((key_positions + 1) % stride == 0)[None, :]
+        allowed &= inside
     out = _sdpa(
         q.transpose(0, 1), keys, values, causal=False, window=None, mask=allowed[:, None, None, :]
     )  # (T, 1, nh, hs)
@@ -244,18 +255,20 @@ def _paged_reference(
 
 
 def _paged(
-    q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata
-):
+    q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata,
+    stride: int = 0,
+):  # fmt: skip
     """memfit's Triton paged kernels (memfit.ops.attention.paged) where Triton runs, else the
     plain-PyTorch reference."""
     if not use_triton(q) or metadata.seq_lens is None or not head_dim_supported(q.shape[-1]):
         return _paged_reference(
-            q, key_pool, value_pool, causal=causal, window=window, mask=mask, metadata=metadata
-        )
+            q, key_pool, value_pool, causal=causal, window=window, mask=mask, metadata=metadata,
+            stride=stride,
+        )  # fmt: skip
     out = paged_attention(
         q[0], key_pool, value_pool, block_table=metadata.block_table, seq_lens=metadata.seq_lens,
         query_start=metadata.query_start, max_query_len=metadata.max_query_len,
-        max_seq_len=metadata.max_seq_len, window=window,
+        max_seq_len=metadata.max_seq_len, window=window, stride=stride,
     )  # fmt: skip
     return out[None]
 

@@ -1,10 +1,11 @@
 """A model whose layers attend with a sparse pattern (ModelConfig.attention_pattern): a band
 through the block-sparse kernel equals Mistral-style sliding-window attention, on the kernels
 (Triton's interpreter) and on the plain path; a plain local pattern runs as a sliding window,
-generation included; the pattern applies to the layers named; `memfit train` takes it from
-flags and TOML, records it in the checkpoint and refuses a bad one; generation from a model with
-another pattern says it is not supported yet."""
+generation included; a strided pattern generates through the paged engine; the pattern applies
+to the layers named; `memfit train` takes it from flags and TOML, records it in the checkpoint
+and refuses a bad one."""
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -155,3 +156,35 @@ def test_a_hugging_face_checkpoint_trains_with_a_pattern(tmp_path):
     assert all(block.attention.pattern is not None for block in trainer.model.layers)
     assert trainer.model_config.attention_pattern == spec
     assert torch.isfinite(torch.tensor(trainer.train_step().loss))
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="triton"))],
+)
+def test_a_strided_pattern_generates_with_the_paged_engine(kernels):
+    """strided:S:window=W decodes through the paged engine (its kernels read the window's and
+    the summary columns' keys; the plain path masks the same): greedy tokens equal a full
+    recompute through the block-sparse path, with chunked prefill and summary columns inside
+    and before the window; the static cache refuses and names the paged engine."""
+    from memfit.inference import Engine, PagedKVCache, SamplingParams
+    from memfit.inference.generate import generate
+    from tests.inference.test_engine import full_recompute
+
+    config = dataclasses.replace(
+        PRESETS["tiny"], max_seq_len=64, attention_pattern="strided:4:window=3"
+    )
+    model = model_of(config).eval()
+    assert all(b.attention.paged_rule == (3, 4) for b in model.layers)
+    generator = torch.Generator().manual_seed(2)
+    batch = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
+             for n in (3, 13, 9)]  # fmt: skip
+    want = [full_recompute(model, prompt, 8) for prompt in batch]
+    cache = PagedKVCache(config, num_blocks=40, block_size=4, dtype=torch.float32, device="cpu")
+    engine = Engine(model, cache, max_step_tokens=6)
+    for prompt in batch:
+        engine.add(prompt, SamplingParams(max_tokens=8))
+    with triton_on_cpu() if kernels else contextlib.nullcontext():
+        assert engine.run() == want
+    with pytest.raises(ValueError, match="decode with the paged engine"):
+        generate(model, torch.tensor([batch[0]]), max_new_tokens=2)

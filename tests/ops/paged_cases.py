@@ -39,9 +39,11 @@ def make_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtyp
     return q, key_pool, value_pool, metadata
 
 
-def paged_reference(q, key_pool, value_pool, metadata, *, window=None, dtype=torch.float64):
+def paged_reference(
+    q, key_pool, value_pool, metadata, *, window=None, stride=0, dtype=torch.float64
+):
     """Each sequence's keys gathered through its table, each query attending causally (and
-    within the window) in `dtype`: fp64 is exact, the kernel's dtype is PyTorch's own error
+    within the window, plus every stride-th column with a stride) in `dtype`: fp64 is exact, the kernel's dtype is PyTorch's own error
     (matrix products in that dtype, softmax in fp32, as SDPA's math does)."""
     heads_q, heads_kv = q.shape[1], key_pool.shape[2]
     page = key_pool.shape[1]
@@ -58,7 +60,10 @@ def paged_reference(q, key_pool, value_pool, metadata, *, window=None, dtype=tor
         j = torch.arange(length, device=q.device)
         allowed = j[None, :] <= positions[:, None]
         if window is not None:
-            allowed &= j[None, :] > positions[:, None] - window
+            inside = j[None, :] > positions[:, None] - window
+            if stride:
+                inside |= ((j + 1) % stride == 0)[None, :]
+            allowed &= inside
         keys = keys.repeat_interleave(heads_q // heads_kv, dim=1)
         values = values.repeat_interleave(heads_q // heads_kv, dim=1)
         scores = torch.einsum("nhd,mhd->hnm", queries, keys) * q.shape[-1] ** -0.5
@@ -70,13 +75,17 @@ def paged_reference(q, key_pool, value_pool, metadata, *, window=None, dtype=tor
 
 
 def check_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, *,
-                window=None, num_splits=None, floor=1e-6, seed=0):  # fmt: skip
+                window=None, stride=0, num_splits=None, floor=1e-6, seed=0):  # fmt: skip
     q, key_pool, value_pool, metadata = make_paged(
         query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, seed
     )
-    out = paged_attention(q, key_pool, value_pool, **metadata, window=window, num_splits=num_splits)
+    out = paged_attention(
+        q, key_pool, value_pool, **metadata, window=window, stride=stride, num_splits=num_splits
+    )
     assert out.dtype == q.dtype and out.shape == q.shape
-    exact = paged_reference(q, key_pool, value_pool, metadata, window=window)
-    baseline = paged_reference(q, key_pool, value_pool, metadata, window=window, dtype=dtype)
+    exact = paged_reference(q, key_pool, value_pool, metadata, window=window, stride=stride)
+    baseline = paged_reference(
+        q, key_pool, value_pool, metadata, window=window, stride=stride, dtype=dtype
+    )
     assert_error_within(out, baseline, exact, name="out", floor=floor)
     return out

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from memfit.ops._triton import triton_on_cpu
-from tests.ops.paged_cases import check_paged
+from memfit.ops.attention.paged import paged_attention
+from tests.ops.paged_cases import check_paged, make_paged
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
 
@@ -63,6 +64,25 @@ def test_sliding_window(window):
     check_paged([12, 3], [40, 3], 4, 2, 64, 8, torch.float32, "cpu", window=window)
     # decodes beside a chunk (in the decode kernel) under the window
     check_paged([1, 12, 1], [45, 40, 9], 4, 2, 64, 8, torch.float32, "cpu", window=window)
+
+
+@pytest.mark.parametrize("stride, window", [(8, 8), (5, 3), (16, 20)])
+def test_strided_summary_columns(stride, window):
+    """The Sparse Transformer's strided pattern: the window plus every stride-th column, in
+    decodes (split or not), chunks over a prefix and both in one step; page 8 against
+    strides that do and do not divide it."""
+    check_paged([1, 1], [45, 9], 4, 2, 64, 8, torch.float32, "cpu", window=window,
+                stride=stride, num_splits=2)  # fmt: skip
+    check_paged([12, 3], [40, 3], 4, 2, 64, 8, torch.float32, "cpu", window=window,
+                stride=stride)  # fmt: skip
+    check_paged([1, 12, 1], [45, 40, 90], 4, 2, 64, 8, torch.float32, "cpu", window=window,
+                stride=stride)  # fmt: skip
+
+
+def test_a_stride_needs_a_window():
+    q, key_pool, value_pool, metadata = make_paged([1], [9], 4, 2, 64, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="stride must be 0 .none. or >= 2 beside a window"):
+        paged_attention(q, key_pool, value_pool, **metadata, stride=4)
 
 
 def test_window_with_whole_tiles_every_row_sees():

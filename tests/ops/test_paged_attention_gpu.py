@@ -1,7 +1,7 @@
 """The paged attention kernels on a GPU at real shapes (the CPU twin, test_paged_attention.py,
 runs small ones under the interpreter): contexts from 1 to beyond 16k, block sizes 8/16/32, GQA
 ratios 1/4/8 and MQA, head dims 64/128, bf16, fp16 and fp32, decode with the default and forced
-split counts, chunks over long prefixes, sliding windows; within 2x of PyTorch's error."""
+split counts, chunks over long prefixes, sliding windows, strided patterns; within 2x of PyTorch's error."""
 
 import pytest
 import torch
@@ -42,3 +42,11 @@ def test_sliding_window(window):
     check_paged([1, 1, 1], [9000, 50, 4096], 32, 8, 128, 16, torch.bfloat16, "cuda",
                 window=window)  # fmt: skip
     check_paged([300, 1], [5000, 700], 32, 8, 128, 16, torch.bfloat16, "cuda", window=window)
+
+
+@pytest.mark.parametrize("stride, window", [(256, 256), (64, 100)])
+def test_strided_summary_columns(stride, window):
+    check_paged([1, 1, 1], [9000, 50, 4096], 32, 8, 128, 16, torch.bfloat16, "cuda",
+                window=window, stride=stride)  # fmt: skip
+    check_paged([300, 1], [5000, 700], 32, 8, 128, 16, torch.bfloat16, "cuda", window=window,
+                stride=stride)  # fmt: skip

@@ -57,7 +57,8 @@ def measured_lora_runs():
 
 def _strategy(run: dict, record: dict) -> Strategy:
     return Strategy(
-        micro_batch=run["micro_batch"], seq_len=run["seq_len"], checkpointing="full",
+        micro_batch=record.get("micro_batch", run["micro_batch"]), seq_len=run["seq_len"],
+        checkpointing="full", checkpoint_blocks=record.get("checkpoint_blocks"),
         lora_rank=run["rank"], quantize_base="nf4" if "QLoRA" in record["system"] else "none",
     )  # fmt: skip
 
@@ -73,19 +74,24 @@ def _run_id(x):
 @pytest.mark.parametrize("run, record, update", measured_lora_runs(), ids=_run_id)
 def test_lora_peak_matches_the_measured_runs(run, record, update, monkeypatch):
     """Every measured peak (H100 and H200; llama-1b, llama-3.2-3b, llama-3-8b at micro-batch 1
-    and 4; LoRA and QLoRA) planned with the dataflow of the commit that ran it: within 1% (the
-    planner's bar is 5%; the rows are within 0.5% but QLoRA on llama-3.2-3b, 0.9% over)."""
+    and 4; LoRA, QLoRA, and LoRA with 23 of 32 blocks checkpointed) planned with the dataflow of
+    the commit that ran it: within 1.1% (the planner's bar is 5%; QLoRA's are 0.9-1.0% over)."""
     model = PRESETS[record["model"]]
     strategy = _strategy(run, record)
     assert adapter_params(model, strategy) == record["trainable_params"]
     monkeypatch.setattr(memory, "LORA_UPDATE", update)
     planned = plan(model, strategy).peak_bytes
-    assert planned / 2**30 == pytest.approx(record["peak_gib"], rel=0.01)
+    assert planned / 2**30 == pytest.approx(record["peak_gib"], rel=0.011)
 
 
 def test_the_measured_runs_cover_both_updates_and_qlora():
     covered = {(update, r["system"]) for _, r, update in measured_lora_runs()}
-    assert covered == {("concat", "memfit"), ("addmm", "memfit"), ("addmm", "memfit QLoRA nf4")}
+    assert covered == {
+        ("concat", "memfit"),
+        ("addmm", "memfit"),
+        ("addmm", "memfit QLoRA nf4"),
+        ("addmm", "memfit within peft's peak"),
+    }
 
 
 def test_lora_time_is_optimistic_within_a_third(monkeypatch):

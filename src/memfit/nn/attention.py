@@ -103,10 +103,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_index, self.backend, self.window = layer_index, backend, window
         self.pattern = None
+        # (window, stride) of a strided pattern: the paged engine decodes it (its kernels read
+        # the window's blocks and the summary columns'); other patterns do not generate yet
+        self.paged_rule: tuple[int, int] | None = None
         if pattern is not None:
-            from memfit.ops.attention.sparse import parse
+            from memfit.ops.attention.sparse import parse, strided
 
             self.pattern = parse(pattern)
+            left = self.pattern.window[0] if self.pattern.window is not None else 0
+            if self.pattern.stride and self.pattern == strided(
+                self.pattern.stride, window=left + 1
+            ):
+                self.paged_rule = (left + 1, self.pattern.stride)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv = Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
@@ -125,20 +133,28 @@ class Attention(nn.Module):
         `update(layer, metadata, k, v) -> (keys, values)` (memfit.inference: KVCache, PagedKVCache)."""
         batch, seqlen, _ = x.shape
         cached = kv_cache is not None or (metadata is not None and metadata.key_mask is not None)
-        if self.pattern is not None and cached:
+        paged = metadata is not None and metadata.block_table is not None
+        if self.pattern is not None and cached and not (paged and self.paged_rule):
             raise ValueError(
                 f"layer {self.layer_index} attends with the sparse pattern {self.pattern}: "
-                "generating from such a model (a KV cache) is not supported yet"
+                "generating from such a model is not supported yet"
+                + (
+                    " with a static KV cache: decode with the paged engine (memfit.LLM, "
+                    "memfit serve)"
+                    if self.paged_rule
+                    else " (a local or strided pattern generates)"
+                )
             )
         qkv = self.qkv(x)  # (B, T, (nh + 2 * nkv) * hs)
-        if metadata is not None and metadata.block_table is not None:
+        if paged:
             # a paged cache: rotation and cache write in one kernel, then the paged kernels
             q, keys, values = kv_cache.write_qkv(
                 self.layer_index, metadata, qkv, cos, sin, self.num_heads
             )
+            window, stride = self.paged_rule or (self.window, 0)
             y = MF.attention(
-                q, keys, values, causal=True, window=self.window, backend=self.backend,
-                metadata=metadata,
+                q, keys, values, causal=True, window=window, backend=self.backend,
+                metadata=metadata, stride=stride,
             )  # fmt: skip
             return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -29,7 +29,10 @@ and the grid depends only on the number of tokens and sequences).
 
 Masks: the query at position p (its sequence's length minus the tokens after it in the step)
 sees keys j <= p, and with a sliding window W only j > p - W; a program visits only the keys of
-its rows' union of windows, so sliding-window models read only their window's blocks.
+its rows' union of windows, so sliding-window models read only their window's blocks. A strided
+pattern (the Sparse Transformer's: memfit.ops.attention.sparse.strided) adds the summary columns
+j = S - 1, 2S - 1, ... before the window: a program gathers those keys alone, one per S, so it
+reads the window's blocks and one block per summary column, not the context.
 """
 
 from __future__ import annotations
@@ -73,22 +76,28 @@ def _attend_pages(
     row_first,
     offs_d,
     qk_scale,
+    stride,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     MASKED: tl.constexpr,
     INTERPRET: tl.constexpr,
+    STRIDED: tl.constexpr = False,
 ):
     """The online softmax of the rows of q over keys [lo, hi) of one sequence, gathered through
     its block-table row; row r sees keys row_first[r] <= j <= row_pos[r]. K and V point at the
     program's kv head. Not MASKED: the caller guarantees that every row sees every key of
-    [lo, hi) and that the range is whole tiles, so no mask is built and no load is predicated."""
+    [lo, hi) and that the range is whole tiles, so no mask is built and no load is predicated.
+    STRIDED: [lo, hi) counts summary columns, key (i + 1) * stride - 1 for i in the range, and
+    row r sees those before its window (j < row_first[r]; the window's own are its run's)."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d[None, :] < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         col_ok = cols < hi
+        if STRIDED:
+            cols = (cols + 1) * stride - 1
         if MASKED:
             page = tl.load(table_row + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
         else:
@@ -98,7 +107,10 @@ def _attend_pages(
         k = _load_tile(k_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D)
         qk = _dot(q, tl.trans(k), None, INTERPRET)
         if MASKED:
-            keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] >= row_first[:, None])
+            if STRIDED:
+                keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] < row_first[:, None])
+            else:
+                keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] >= row_first[:, None])
             qk = tl.where(keep & col_ok[None, :], qk * qk_scale, float("-inf"))
         else:
             qk = qk * qk_scale
@@ -118,7 +130,7 @@ def _attend_pages(
 # Integers that change from step to step are not specialized on (Triton compiles a variant per
 # value class, == 1 or a multiple of 16, by default): a serving engine would compile anew in the
 # middle of its run whenever the batch crossed one.
-@triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
+@triton.jit(do_not_specialize=["window", "stride", "num_splits", "stride_table"])
 def _decode_kernel(
     Q,
     K,
@@ -143,6 +155,7 @@ def _decode_kernel(
     stride_table,
     qk_scale,
     window,
+    stride,
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -152,6 +165,7 @@ def _decode_kernel(
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     MIXED: tl.constexpr,
+    STRIDED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -188,12 +202,20 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     row_pos = tl.full([GROUP_PAD], 0, dtype=tl.int32) + pos
     row_first = tl.full([GROUP_PAD], 0, dtype=tl.int32) + first
+    k_base, v_base = K + kv_head * stride_kh, V + kv_head * stride_vh
+    table_row = block_table + seq * stride_table
     acc, l_i, m_i = _attend_pages(
-        acc, l_i, m_i, q,
-        K + kv_head * stride_kh, V + kv_head * stride_vh, block_table + seq * stride_table,
-        stride_kb, stride_kt, stride_vb, stride_vt, lo, hi, row_pos, row_first, offs_d,
-        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET,
+        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
+        lo, hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
+        True, INTERPRET,
     )  # fmt: skip
+    if STRIDED:  # the summary columns before the window, in the first split
+        columns = tl.where(split == 0, tl.cdiv(first, stride), 0)
+        acc, l_i, m_i = _attend_pages(
+            acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb,
+            stride_vt, 0, columns, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM,
+            BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
+        )  # fmt: skip
     if SPLIT:
         # partials of (sequence, head, split), laid out (sequences, heads_q, splits[, BLOCK_D])
         row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
@@ -252,7 +274,7 @@ def _merge_splits_kernel(
 # Arguments that change from step to step (the table width, lengths, token counts: here and in
 # the other kernels of a serving step) are not specialized: Triton compiles a variant for an int
 # equal to 1 or divisible by 16, a second-long stall of a server the first time a step has one.
-@triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride", "stride_table"])
 def _chunk_kernel(
     Q,
     K,
@@ -275,6 +297,7 @@ def _chunk_kernel(
     stride_table,
     qk_scale,
     window,
+    stride,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -283,6 +306,7 @@ def _chunk_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     DECODES_APART: tl.constexpr,
+    STRIDED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -340,20 +364,26 @@ def _chunk_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     k_base, v_base = K + kv_head * stride_kh, V + kv_head * stride_vh
     table_row = block_table + seq * stride_table
+    if STRIDED:  # the summary columns before the last row's window (each row masks its own)
+        acc, l_i, m_i = _attend_pages(
+            acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb,
+            stride_vt, 0, tl.cdiv(every_row_from, stride), row_pos, row_first, offs_d, qk_scale,
+            stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
+        )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        lo, mid_lo, row_pos, row_first, offs_d, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-        True, INTERPRET,
+        lo, mid_lo, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N,
+        PAGE, True, INTERPRET,
     )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        mid_lo, mid_hi, row_pos, row_first, offs_d, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-        False, INTERPRET,
+        mid_lo, mid_hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D,
+        BLOCK_N, PAGE, False, INTERPRET,
     )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        mid_hi, hi, row_pos, row_first, offs_d, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-        True, INTERPRET,
+        mid_hi, hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N,
+        PAGE, True, INTERPRET,
     )  # fmt: skip
     out = _to_dtype(acc / tl.where(row_ok, l_i, 1.0)[:, None], Out.dtype.element_ty, INTERPRET)
     o_ptrs = Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -416,6 +446,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     window: int | None = None,
+    stride: int = 0,
     softmax_scale: float | None = None,
     num_splits: int | None = None,
 ) -> Tensor:
@@ -428,7 +459,8 @@ def paged_attention(
     max_seq_len: host-side bounds (they pick the kernel and the split count; a CUDA graph
     captures them, so pass the largest a captured step may see). Returns (tokens, heads_q,
     head_dim) in q's dtype. Sequences of one new token run the decode kernel, split
-    `num_splits` ways (default: `decode_splits`); those of more the chunk kernel.
+    `num_splits` ways (default: `decode_splits`); those of more the chunk kernel. `stride` S > 0
+    (with a `window`): a strided pattern's summary columns S - 1, 2S - 1, ... are seen too.
     """
     tokens, heads_q, head_dim = q.shape
     _, page, heads_kv, _ = key_pool.shape
@@ -439,6 +471,10 @@ def paged_attention(
         raise ValueError("paged_attention needs the head dim contiguous in q and the pools")
     if page & (page - 1):
         raise ValueError(f"the block size must be a power of two, got {page}")
+    if stride < 0 or stride == 1 or (stride and window is None):
+        raise ValueError(
+            f"stride must be 0 (none) or >= 2 beside a window, got stride {stride}, window {window}"
+        )
     group = heads_q // heads_kv
     block_d = _next_pow2(head_dim)
     scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * LOG2E
@@ -447,7 +483,7 @@ def paged_attention(
     interpret = interpreter_enabled()
     pdl = pdl_enabled(q.device)
     common = (q.stride(0), q.stride(1), *key_pool.stride()[:3], *value_pool.stride()[:3])
-    common += (out.stride(0), out.stride(1), block_table.stride(0), scale, window)
+    common += (out.stride(0), out.stride(1), block_table.stride(0), scale, window, max(stride, 1))
     decodes_only = max_query_len == 1 and tokens == num_seqs
     if not decodes_only:
         if interpret:
@@ -462,7 +498,8 @@ def paged_attention(
             q, key_pool, value_pool, out, block_table, seq_lens, query_start, num_seqs, *common,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, DECODES_APART=num_seqs > 1,
-            INTERPRET=interpret, PDL=pdl, num_warps=warps, num_stages=stages,
+            STRIDED=stride > 0, INTERPRET=interpret, PDL=pdl, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
         if num_seqs == 1:
             return out
@@ -474,7 +511,12 @@ def paged_attention(
         block_n, warps, stages = _INTERPRET_BLOCK_N, 1, 1
     else:
         block_n, warps, stages = DECODE_CONFIGS.get(block_d, DECODE_CONFIGS[128])
-    splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
+    # (a window's keys, and a strided pattern's summary columns, are all a decode reads: split
+    # those, not the context)
+    span = max_seq_len
+    if window != NO_WINDOW:
+        span = min(max_seq_len, window + (max_seq_len // stride if stride else 0))
+    splits = num_splits or decode_splits(num_seqs, heads_kv, span, q.device)
     part = {}
     if splits > 1:
         rows = num_seqs * heads_q * splits
@@ -488,7 +530,7 @@ def paged_attention(
         q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, query_start, *common,
         splits, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, MIXED=mixed,
-        INTERPRET=interpret, PDL=pdl, num_warps=warps, num_stages=stages,
+        STRIDED=stride > 0, INTERPRET=interpret, PDL=pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         launch(
