@@ -1016,6 +1016,31 @@ def sparse_train_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def sparse_decode_table(run: dict) -> str:
+    """benchmarks/sparse_attention.py --decode: one paged decode step over the context."""
+    records = _latest(run["records"], lambda r: (r["seqlen"], r["pattern"]))
+    lengths = sorted({r["seqlen"] for r in records})
+    lines = [
+        _env_line(run, "median of CUDA-graph replays after warm-up."),
+        "",
+        f"One decode step of the paged kernels, {records[0]['batch']} sequences, 32 query heads "
+        "and 8 kv heads of 128 (llama-3-8b's), bf16, 16-token pages; microseconds:",
+        "",
+        "| pattern | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for pattern in dict.fromkeys(r["pattern"] for r in records):
+        cells = [
+            next(
+                (f"{r['us']:.1f}" for r in records if (r["seqlen"], r["pattern"]) == (n, pattern)),
+                "-",
+            )
+            for n in lengths
+        ]
+        lines.append(f"| {pattern} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _with_flex(run: dict) -> bool:
     return any(r["system"] == "flex" for r in run.get("records", []))
 
@@ -1088,6 +1113,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
         True,
     ),
     "sparse_train": ("sparse_attention_train", sparse_train_table, _has("records"), True),
+    "sparse_decode": ("sparse_decode", sparse_decode_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

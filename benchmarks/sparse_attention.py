@@ -185,8 +185,8 @@ DECODE_PATTERNS = {"dense": (None, 0), "local 256": (256, 0), "strided 256": (25
 
 
 def decode_rows(lengths: list[int], batch: int = 8) -> list[dict]:
-    """One decode step of the paged kernels (memfit.ops.attention.paged, the engine's) for
-    `batch` sequences of each length: llama-3-8b's attention shape (32 query heads, 8 kv heads
+    """One decode step of the paged kernels (memfit.ops.attention.paged, the engine's), in a
+    CUDA graph as the engine runs it, for `batch` sequences of each length: llama-3-8b's attention shape (32 query heads, 8 kv heads
     of 128), bf16, 16-token pages in a shuffled block table; dense causal, a local window of
     256 and the strided pattern (window 256 + every 256th column)."""
     from memfit.ops.attention.paged import paged_attention
@@ -213,7 +213,11 @@ def decode_rows(lengths: list[int], batch: int = 8) -> list[dict]:
             def step(q=q, pools=pools, meta=meta, window=window, stride=stride):
                 return paged_attention(q, *pools, **meta, window=window, stride=stride)
 
-            times = harness.time_calls(step, warmup=3, repeat=20)
+            step()  # (compiled, then captured as the engine's decode steps are: GPU time only)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            times = harness.time_calls(graph.replay, warmup=3, repeat=50)
             row = {"seqlen": n, "batch": batch, "pattern": name, "us": harness.median(times) * 1e6}
             rows.append(row)
             print(row, flush=True)

@@ -209,12 +209,14 @@ def _decode_kernel(
         lo, hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
         True, INTERPRET,
     )  # fmt: skip
-    if STRIDED:  # the summary columns before the window, in the first split
-        columns = tl.where(split == 0, tl.cdiv(first, stride), 0)
+    if STRIDED:  # the summary columns before the window, cut into the splits as the keys are
+        columns = tl.cdiv(first, stride)
+        share = tl.cdiv(columns, num_splits)
         acc, l_i, m_i = _attend_pages(
             acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb,
-            stride_vt, 0, columns, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM,
-            BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
+            stride_vt, split * share, tl.minimum(split * share + share, columns), row_pos,
+            row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
+            INTERPRET, True,
         )  # fmt: skip
     if SPLIT:
         # partials of (sequence, head, split), laid out (sequences, heads_q, splits[, BLOCK_D])
@@ -511,12 +513,7 @@ def paged_attention(
         block_n, warps, stages = _INTERPRET_BLOCK_N, 1, 1
     else:
         block_n, warps, stages = DECODE_CONFIGS.get(block_d, DECODE_CONFIGS[128])
-    # (a window's keys, and a strided pattern's summary columns, are all a decode reads: split
-    # those, not the context)
-    span = max_seq_len
-    if window != NO_WINDOW:
-        span = min(max_seq_len, window + (max_seq_len // stride if stride else 0))
-    splits = num_splits or decode_splits(num_seqs, heads_kv, span, q.device)
+    splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
     part = {}
     if splits > 1:
         rows = num_seqs * heads_q * splits
