@@ -904,9 +904,15 @@ def distill_table(run: dict) -> str:
     ]
     records = _latest(run["records"], lambda r: (r["tokens"], r["system"]))
     for r in records:
-        base = next(x for x in records if x["tokens"] == r["tokens"] and x["system"] == "unfused")
-        versus = "" if r is base else f" ({r['ms'] / base['ms']:.2f}x)"
-        extra = "" if r is base else f" ({r['extra_gib'] / base['extra_gib']:.2f}x)"
+        if "error" in r:
+            lines.append(f"| {r['tokens']:,} | {r['system']} | {r['error'][:60]} | - |")
+            continue
+        base = next(
+            (x for x in records if x["tokens"] == r["tokens"] and x["system"] == "unfused"), {}
+        )
+        ok = r is not base and "ms" in base
+        versus = f" ({r['ms'] / base['ms']:.2f}x)" if ok else ""
+        extra = f" ({r['extra_gib'] / base['extra_gib']:.2f}x)" if ok else ""
         lines.append(
             f"| {r['tokens']:,} | {r['system']} | {r['ms']:.1f} ms{versus} | "
             f"{r['extra_gib']:.2f} GiB{extra} |"

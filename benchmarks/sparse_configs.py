@@ -6,7 +6,8 @@ heads, head dim 128, bf16; the forward's 64 x 64 tiles, the backward's 128 x 64 
 
     python benchmarks/sparse_configs.py --configs 4x2 4x3 8x2 8x3 --kernels dkdv dq
 
-For each kernel and config, the others kept at their defaults: the forward's time for the
+For each kernel and config (on the patterns whose backward takes that kernel's tile), the others
+kept at their defaults: the forward's time for the
 forward's options, forward + backward for the backward kernels'; the median of CUDA-event
 times after warm-up (compilation excluded). Prints the best config of each kernel by the sum
 over patterns.
@@ -54,6 +55,11 @@ def main() -> None:
             block_sparse.LAUNCH_OPTIONS = defaults | {(kernel, *tiles[kernel]): (warps, stages)}
             for name in args.patterns:
                 pattern = patterns(n)[name]
+                used = dict(zip(("dq", "dkdv"), block_sparse._backward_tiles(
+                    pattern, n, 64, args.widen, block_sparse.WIDE_WORK
+                ), strict=True)) | {"forward": (64, 64)}  # fmt: skip
+                if used[kernel] != tiles[kernel]:
+                    continue  # (this pattern's backward keeps square tiles there)
                 row = {"kernel": kernel, "tile": tiles[kernel], "config": config, "pattern": name}
                 try:
                     times = measure(lambda q, k, v, p=pattern: sparse_attention(q, k, v, p),
@@ -69,7 +75,7 @@ def main() -> None:
                 print(row, flush=True)
     block_sparse.LAUNCH_OPTIONS = defaults
     best = {
-        kernel: min(args.configs, key=lambda c, kernel=kernel: totals[kernel, c])
+        kernel: min(args.configs, key=lambda c, kernel=kernel: totals.get((kernel, c), 1e30))
         for kernel in args.kernels
     }
     run["best"] = best

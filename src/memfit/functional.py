@@ -156,8 +156,10 @@ def attention(
         )
     kernel = _ATTENTION_BACKENDS[backend]
     if stride:
-        if backend != "paged":
-            raise ValueError("stride (a strided pattern's summary columns) takes a paged cache")
+        if backend != "paged" or window is None:
+            raise ValueError(
+                "stride (a strided pattern's summary columns) takes a paged cache and a window"
+            )
         return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata,
                       stride=stride)  # fmt: skip
     return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata)

@@ -66,11 +66,12 @@ def test_sliding_window(window):
     check_paged([1, 12, 1], [45, 40, 9], 4, 2, 64, 8, torch.float32, "cpu", window=window)
 
 
-@pytest.mark.parametrize("stride, window", [(8, 8), (5, 3), (16, 20)])
+@pytest.mark.parametrize("stride, window", [(8, 8), (5, 3), (16, 20), (16, 2)])
 def test_strided_summary_columns(stride, window):
     """The Sparse Transformer's strided pattern: the window plus every stride-th column, in
     decodes (split or not), chunks over a prefix and both in one step; page 8 against
-    strides that do and do not divide it."""
+    strides that do and do not divide it; a window narrower than the stride (only columns
+    before the window are gathered: none past the sequence's pages)."""
     check_paged([1, 1], [45, 9], 4, 2, 64, 8, torch.float32, "cpu", window=window,
                 stride=stride, num_splits=2)  # fmt: skip
     check_paged([12, 3], [40, 3], 4, 2, 64, 8, torch.float32, "cpu", window=window,

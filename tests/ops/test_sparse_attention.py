@@ -252,6 +252,31 @@ def test_dense_subsequences_run_flash_attention(monkeypatch, causal):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     assert not block_sparse._dense_subsequences(sparse.dilated(4, window=6))
     assert not block_sparse._dense_subsequences(sparse.local(20))
+    one_side = sparse.Pattern(causal=False, window=(sparse.NO_LIMIT, 3))  # (bounded on the right)
+    assert not block_sparse._dense_subsequences(one_side)
+
+
+def test_a_forward_without_backward_builds_only_its_layout():
+    """The backward's layouts are built when a backward runs, not by every forward."""
+    from memfit.ops.attention import block_sparse
+
+    pattern = sparse.longformer(8, [3])
+    (q, k, v), grad = inputs(torch.float32, 61)
+    sparse._block_layout.cache_clear()
+    block_sparse._backward_tiles.cache_clear()
+    with triton_on_cpu(), torch.no_grad():
+        sparse_attention(q, k, v, pattern, block=BLOCK)
+    assert sparse._block_layout.cache_info().currsize == 1
+    with triton_on_cpu():
+        run(lambda q, k, v: sparse_attention(q, k, v, pattern, block=BLOCK), [q, k, v], grad)
+    assert sparse._block_layout.cache_info().currsize > 1
+
+
+def test_a_tile_that_is_not_a_power_of_two_is_refused():
+    (q, k, v), _ = inputs(torch.float32, 96)
+    with pytest.raises(ValueError, match="the tile size must be a power of two >= 16, got 40"):
+        with triton_on_cpu():
+            sparse_attention(q, k, v, sparse.bigbird(8, [0], 1, block=40))
 
 
 def test_the_backward_widens_its_tiles_where_that_adds_little_work():

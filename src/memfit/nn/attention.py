@@ -139,8 +139,8 @@ class Attention(nn.Module):
                 f"layer {self.layer_index} attends with the sparse pattern {self.pattern}: "
                 "generating from such a model is not supported yet"
                 + (
-                    " with a static KV cache: decode with the paged engine (memfit.LLM, "
-                    "memfit serve)"
+                    " with a static KV cache: decode with the paged engine "
+                    "(memfit.inference.LLM, memfit serve)"
                     if self.paged_rule
                     else " (a local or strided pattern generates)"
                 )

@@ -5,7 +5,11 @@ The kernels are FlashAttention's (the package docstring: online softmax forward,
 dk/dv and dq programs without atomics, so reruns are bitwise equal), walking a layout instead of
 a band: a forward or dq program owns a query tile and visits the key tiles of its CSR row; a
 dk/dv program owns a key tile and visits the query tiles of its CSR column, for every query head
-of its GQA group (with a layout per head, each head's own column). A tile's kind (FULL, RULE,
+of its GQA group (with a layout per head, each head's own column). Programs take their tiles
+longest first (the layout's `order`), so a global token's long row starts in the first wave.
+The forward's tiles are square (64 on GPUs); the backward's dq and dk/dv programs take 128 x 64
+and 64 x 128 tiles where that adds little work (BACKWARD_WIDEN, WIDE_WORK), their layouts built
+when a backward first runs. A tile's kind (FULL, RULE,
 CAUSAL) says how its pairs are masked; the token
 rule (band, strided columns, global tokens, causality) is computed in registers from positions
 and a per-token flag of global tokens. Tiles past a sequence's end are skipped and rows past it
@@ -18,7 +22,8 @@ lse = -inf, and no gradient.
 
 Dilated patterns run as `dilation` interleaved subsequences (the tensors are regrouped so that
 each subsequence is contiguous, attended with the subsequence's layout, and put back): work
-1/dilation of the undilated pattern's.
+1/dilation of the undilated pattern's. Without a window each subsequence attends densely, and
+from DENSE_TO_FLASH tokens memfit's dense FlashAttention runs them.
 
 On CPU tensors outside `memfit.ops._triton.triton_on_cpu()` a plain-PyTorch path runs the dense
 masked product (O(seqlen^2) memory: for tests and small shapes).
@@ -47,7 +52,8 @@ from memfit.ops.attention.tiles import _dot, _sequence, _to_dtype
 
 __all__ = ["sparse_attention", "sparse_attention_varlen"]
 
-# tile size on GPUs (square: the layout's) and under the interpreter
+# the forward's square tile on GPUs and under the interpreter (the backward's may be wider:
+# BACKWARD_WIDEN)
 GPU_BLOCK = 64
 INTERPRET_BLOCK = 16
 
@@ -363,8 +369,9 @@ DENSE_TO_FLASH: int | None = 8192
 
 def _dense_subsequences(pattern: Pattern) -> bool:
     """Whether each (sub)sequence attends densely (causal or not): an unbounded window only."""
+    sides = () if pattern.window is None else pattern.window[: 1 + (not pattern.causal)]
     return (
-        pattern.window is not None and NO_LIMIT in pattern.window[: 1 + (not pattern.causal)]
+        bool(sides) and all(side >= NO_LIMIT for side in sides)
         and pattern.heads == 1
         and not (pattern.stride or pattern.global_tokens or pattern.random_blocks
                  or pattern.blocks is not None)
@@ -372,7 +379,8 @@ def _dense_subsequences(pattern: Pattern) -> bool:
 
 
 # The backward's tiles: dq programs take (WIDE x block) query x key tiles, dk/dv programs
-# (block x WIDE), with WIDE = BACKWARD_WIDEN x block (as memfit's FlashAttention backward does:
+# (block x WIDE), with WIDE = BACKWARD_WIDEN x block up to 128 (as memfit's FlashAttention
+# backward does:
 # wider tiles keep its products on the tensor cores longer; on an H100 they ran BigBird's
 # backward 1.5x faster) where the pattern's blocks allow and the wider tiles add at most
 # WIDE_WORK - 1 to the pairs the kernel multiplies (a strided column costs a 128-key tile where
@@ -399,13 +407,13 @@ def _launch_options(kernel: str, layout: BlockLayout) -> dict:
     return {"num_warps": warps, "num_stages": stages}
 
 
-def _layouts(
+def _backward_layouts(
     pattern: Pattern, seqlen: int, block: int, device: torch.device
-) -> tuple[BlockLayout, BlockLayout, BlockLayout]:
-    """The (forward, dq, dk/dv) layouts of a call (BACKWARD_WIDEN), each built once per shape."""
+) -> tuple[BlockLayout, BlockLayout]:
+    """The (dq, dk/dv) layouts of a call's backward (BACKWARD_WIDEN), each built once per
+    shape, when a backward first runs."""
     dq, dkdv = _backward_tiles(pattern, seqlen, block, BACKWARD_WIDEN, WIDE_WORK)
     return (
-        block_layout(pattern, seqlen, block, device),
         block_layout(pattern, seqlen, dq[0], device, block_n=dq[1]),
         block_layout(pattern, seqlen, dkdv[0], device, block_n=dkdv[1]),
     )
@@ -417,7 +425,7 @@ def _backward_tiles(
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """(dq tile, dk/dv tile) as (query rows, key rows), decided on the host's layouts."""
     wide = widen * block
-    if wide == block or (pattern.block is not None and pattern.block % wide):
+    if wide == block or wide > 128 or (pattern.block is not None and pattern.block % wide):
         return (block, block), (block, block)
     work = block_layout(pattern, seqlen, block).nnz * block * block
     tiles = []
@@ -466,7 +474,8 @@ def _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale):
 
 
 def _backward(dout, q, k, v, out, lse, pattern, layouts, cu_seqlens, seqlen, scale):
-    """dq over the dq layout's rows, dk and dv over the dk/dv layout's columns (`_layouts`)."""
+    """dq over the dq layout's rows, dk and dv over the dk/dv layout's columns
+    (`_backward_layouts`)."""
     batch, heads, heads_kv, head_dim = _geometry(q, k, cu_seqlens)
     varlen = cu_seqlens is not None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (all stored)
@@ -478,7 +487,7 @@ def _backward(dout, q, k, v, out, lse, pattern, layouts, cu_seqlens, seqlen, sca
     interpret = interpreter_enabled()
     delta, lse2 = delta_and_lse2(out, dout, lse, cu_seqlens, seqlen, batch, heads)
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    _, rows, cols = layouts
+    rows, cols = layouts
     left, right, stride, causal, flags = _rule_args(pattern, rows)
     meta = dict(
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, STRIDE=stride,
@@ -508,18 +517,21 @@ def _backward(dout, q, k, v, out, lse, pattern, layouts, cu_seqlens, seqlen, sca
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pattern, layouts, cu_seqlens, seqlen, scale):
-        out, lse = _forward(q, k, v, pattern, layouts[0], cu_seqlens, seqlen, scale)
+    def forward(ctx, q, k, v, pattern, layout, backward_layouts, cu_seqlens, seqlen, scale):
+        """backward_layouts: () -> (dq layout, dk/dv layout), built when a backward runs."""
+        out, lse = _forward(q, k, v, pattern, layout, cu_seqlens, seqlen, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.args = (pattern, layouts, seqlen, scale)
+        ctx.args = (pattern, backward_layouts, seqlen, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        pattern, layouts, seqlen, scale = ctx.args
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, pattern, layouts, cu_seqlens, seqlen, scale)
-        return dq, dk, dv, None, None, None, None, None
+        pattern, backward_layouts, seqlen, scale = ctx.args
+        dq, dk, dv = _backward(
+            dout, q, k, v, out, lse, pattern, backward_layouts(), cu_seqlens, seqlen, scale
+        )
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -546,6 +558,11 @@ def _settle(
             f"the pattern has a layout for each of {pattern.heads} heads, q has {heads} heads"
         )
     block = block or tile_for(pattern, INTERPRET_BLOCK if interpreter_enabled() else GPU_BLOCK)
+    if block < 16 or block & (block - 1):
+        raise ValueError(
+            f"the tile size must be a power of two >= 16, got {block}"
+            + (f" (the pattern's blocks are {pattern.block} tokens)" if pattern.block else "")
+        )
     pattern.check(seqlen, block)
     return block, 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
 
@@ -604,8 +621,9 @@ def _run(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, block: int, scale: f
     ):
         out = flash_attention(q, k, v, causal=pattern.causal, softmax_scale=scale)
     else:
-        layouts = _layouts(pattern, seqlen, block, q.device)
-        out = _SparseAttention.apply(q, k, v, pattern, layouts, None, layouts[0].seqlen, scale)
+        layout = block_layout(pattern, seqlen, block, q.device)
+        backward = functools.partial(_backward_layouts, pattern, seqlen, block, q.device)
+        out = _SparseAttention.apply(q, k, v, pattern, layout, backward, None, layout.seqlen, scale)
     if dilation > 1:
         out = out.unflatten(0, (batch, dilation)).transpose(1, 2).flatten(1, 2)
     return out
@@ -674,5 +692,6 @@ def sparse_attention_varlen(
 @torch.compiler.disable
 def _run_varlen(q, k, v, cu_seqlens, pattern, max_seqlen, block, scale) -> Tensor:
     """`_run` for packed sequences."""
-    layouts = _layouts(pattern, max_seqlen, block, q.device)
-    return _SparseAttention.apply(q, k, v, pattern, layouts, cu_seqlens, max_seqlen, scale)
+    layout = block_layout(pattern, max_seqlen, block, q.device)
+    backward = functools.partial(_backward_layouts, pattern, max_seqlen, block, q.device)
+    return _SparseAttention.apply(q, k, v, pattern, layout, backward, cu_seqlens, max_seqlen, scale)

@@ -210,7 +210,7 @@ def _decode_kernel(
         True, INTERPRET,
     )  # fmt: skip
     if STRIDED:  # the summary columns before the window, cut into the splits as the keys are
-        columns = tl.cdiv(first, stride)
+        columns = first // stride  # (those before the window: (i + 1) * stride - 1 < first)
         share = tl.cdiv(columns, num_splits)
         acc, l_i, m_i = _attend_pages(
             acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb,
@@ -369,7 +369,7 @@ def _chunk_kernel(
     if STRIDED:  # the summary columns before the last row's window (each row masks its own)
         acc, l_i, m_i = _attend_pages(
             acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb,
-            stride_vt, 0, tl.cdiv(every_row_from, stride), row_pos, row_first, offs_d, qk_scale,
+            stride_vt, 0, every_row_from // stride, row_pos, row_first, offs_d, qk_scale,
             stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
         )  # fmt: skip
     acc, l_i, m_i = _attend_pages(

@@ -1,7 +1,8 @@
 """Sparse attention patterns and the block layouts a block-sparse FlashAttention walks.
 
 A pattern says, token by token, which keys each query sees. A layout is the same at the
-granularity of (BLOCK x BLOCK) tiles: for each query block the key blocks that hold any allowed
+granularity of (block_m x block_n) tiles (square for the forward, rectangles for the backward's
+programs): for each query block the key blocks that hold any allowed
 pair (CSR: `indptr`, `indices`), and the transpose (for each key block the query blocks that
 see it, which the dk/dv pass walks). Each listed tile has a kind:
 
@@ -28,8 +29,8 @@ subsequences i = r, r + k, r + 2k, ... (`Pattern.dilation`), run as k shorter se
 work is 1/k of the undilated pattern's and not a dense masked band.
 
 Builders (`local`, `dilated`, `strided`, `longformer`, `bigbird`, `from_blocks`) document their
-parameters; `block_layout(pattern, seqlen, block)` builds a layout once per shape and caches it
-(keyed by the pattern, length, block size and device); `dense_mask` is the (seqlen x seqlen)
+parameters; `block_layout(pattern, seqlen, block, block_n=)` builds a layout once per shape and
+caches it (keyed by the pattern, length, tile sizes and device); `dense_mask` is the (seqlen x seqlen)
 reference for tests and small shapes.
 """
 
@@ -71,7 +72,8 @@ class Pattern:
     global_tokens: positions that see and are seen by every token; random_blocks: key blocks per
     query block drawn at random (seeded) from those the rest leaves out; blocks: a user block
     layout, a tuple of rows of 0/1 (query blocks x key blocks), or one such per head; block: the
-    tile size that random_blocks and blocks are given in (None: the layout's); dilation: see
+    size of the blocks that random_blocks and blocks are given in (required with either; a
+    multiple of the kernels' tiles, which split each block); dilation: see
     the module docstring; heads: 1 for one layout shared by every head, else the number of
     query heads, each with its own random or user blocks (the rule's tiles are shared)."""
 
@@ -552,7 +554,7 @@ def block_layout(
     block_n: int | None = None,
 ) -> BlockLayout:
     """The layout of `pattern` for sequences of `seqlen` tokens in `block`-token tiles, on
-    `device`; built once per (pattern, seqlen, block, device) and cached. A pattern's random or
+    `device`; built once per (pattern, seqlen, block, block_n, device) and cached. A pattern's random or
     user blocks may be larger than the tiles (a multiple: each is listed as its tiles). For a
     dilated pattern the layout is the one each interleaved subsequence (seqlen / dilation
     tokens) uses. `block_n`: key blocks of another size (rectangular tiles of `block` queries x
