@@ -159,10 +159,14 @@ def test_a_hugging_face_checkpoint_trains_with_a_pattern(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kernels",
-    [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="triton"))],
+    "kernels, num_blocks",
+    [
+        (False, 40),
+        (False, 7),  # (a pool small enough that the engine preempts)
+        pytest.param(True, 7, marks=pytest.mark.skipif(not HAS_TRITON, reason="triton")),
+    ],
 )
-def test_a_strided_pattern_generates_with_the_paged_engine(kernels):
+def test_a_strided_pattern_generates_with_the_paged_engine(kernels, num_blocks):
     """strided:S:window=W decodes through the paged engine (its kernels read the window's and
     the summary columns' keys; the plain path masks the same): greedy tokens equal a full
     recompute through the block-sparse path, with chunked prefill and summary columns inside
@@ -180,11 +184,14 @@ def test_a_strided_pattern_generates_with_the_paged_engine(kernels):
     batch = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
              for n in (3, 13, 9)]  # fmt: skip
     want = [full_recompute(model, prompt, 8) for prompt in batch]
-    cache = PagedKVCache(config, num_blocks=40, block_size=4, dtype=torch.float32, device="cpu")
+    cache = PagedKVCache(
+        config, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu"
+    )
     engine = Engine(model, cache, max_step_tokens=6)
     for prompt in batch:
         engine.add(prompt, SamplingParams(max_tokens=8))
     with triton_on_cpu() if kernels else contextlib.nullcontext():
         assert engine.run() == want
+    assert (engine.preemptions > 0) == (num_blocks == 7)
     with pytest.raises(ValueError, match="decode with the paged engine"):
         generate(model, torch.tensor([batch[0]]), max_new_tokens=2)

@@ -92,6 +92,19 @@ def _keep(
 
 
 @triton.jit
+def _layout_row(
+    INDPTR, INDICES, KINDS, tile, off_h, stride_indptr, stride_list, PER_HEAD: tl.constexpr
+):
+    """A query tile's row of its head's layout (PER_HEAD) or the shared one: the head's
+    INDICES and KINDS and the row's [lo, hi) in them."""
+    if PER_HEAD:
+        INDPTR += off_h * stride_indptr
+        INDICES += off_h * stride_list
+        KINDS += off_h * stride_list
+    return INDICES, KINDS, tl.load(INDPTR + tile), tl.load(INDPTR + tile + 1)
+
+
+@triton.jit
 def _key_tile(
     INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok, seqlen,
     GLOBAL, left, right, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -144,12 +157,9 @@ def _sparse_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if PER_HEAD:  # (this head's layout)
-        INDPTR += off_h * stride_indptr
-        INDICES += off_h * stride_list
-        KINDS += off_h * stride_list
-    lo = tl.load(INDPTR + tile)
-    hi = tl.load(INDPTR + tile + 1)
+    INDICES, KINDS, lo, hi = _layout_row(
+        INDPTR, INDICES, KINDS, tile, off_h, stride_indptr, stride_list, PER_HEAD
+    )
     for i in range(lo, hi):
         k, v, keep = _key_tile(
             INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok,
@@ -326,12 +336,9 @@ def _sparse_dq_kernel(
     k_base = K + off_b64 * stride_kb + start64 * stride_kn + (off_h // GROUP) * stride_kh
     v_base = V + off_b64 * stride_vb + start64 * stride_vn + (off_h // GROUP) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if PER_HEAD:  # (this head's layout)
-        INDPTR += off_h * stride_indptr
-        INDICES += off_h * stride_list
-        KINDS += off_h * stride_list
-    lo = tl.load(INDPTR + tile)
-    hi = tl.load(INDPTR + tile + 1)
+    INDICES, KINDS, lo, hi = _layout_row(
+        INDPTR, INDICES, KINDS, tile, off_h, stride_indptr, stride_list, PER_HEAD
+    )
     for i in range(lo, hi):
         k, v, keep = _key_tile(
             INDICES, KINDS, i, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_ok,
