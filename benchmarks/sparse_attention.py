@@ -12,10 +12,11 @@ block mask built once per shape, outside the timing):
     longformer  bidirectional window of 256 each side + 64 global tokens (the first 64)
     bigbird     bidirectional, tiles of 128: 3-tile window, 2 global tiles, 3 random tiles
 
-Systems: "memfit" (memfit.sparse_attention: the dilated pattern, dense causal attention on each
-of its 4 subsequences, runs memfit's FlashAttention there from subsequences of 8k tokens, the
-others the block-sparse kernels), "memfit block-sparse kernels" (the dilated pattern on the
-block-sparse kernels at every length), "flex".
+Systems: "memfit" (memfit.sparse_attention: the local window runs memfit's FlashAttention with
+that window; the dilated pattern, dense causal attention on each of its 4 subsequences, runs
+memfit's FlashAttention there from subsequences of 8k tokens; the others the block-sparse
+kernels), "memfit block-sparse kernels" (local and dilated on the block-sparse kernels at every
+length), "flex".
 
     python benchmarks/sparse_attention.py                       # N = 16k and 64k
     python benchmarks/sparse_attention.py --lengths 4096 16384 65536 131072 --systems memfit
@@ -276,9 +277,10 @@ def main() -> None:
             for system in args.systems:
                 row = {"pattern": name, "system": system}
                 kernels = system == "memfit block-sparse kernels"
-                if kernels and not block_sparse._dense_subsequences(pattern):
+                if kernels and not block_sparse._band_only(pattern):
                     continue  # (the same as "memfit")
                 block_sparse.DENSE_TO_FLASH = None if kernels else FLASH_FROM
+                block_sparse.BAND_TO_FLASH = not kernels
                 try:
                     if system.startswith("memfit"):  # (its layout built once, untimed)
                         tile = sparse.tile_for(pattern, GPU_BLOCK)

@@ -14,6 +14,9 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 BLOCK = 16
 PATTERNS = {
     "local": (sparse.local(20), 77),
+    # (a length every tile divides)
+    "local, whole tiles": (sparse.local(20), 96),
+    "longformer, whole tiles": (sparse.longformer(8, [0, 41]), 64),
     "local bidirectional": (sparse.local(9, causal=False), 77),
     "strided": (sparse.strided(12), 77),
     "longformer": (sparse.longformer(8, [0, 41]), 77),
@@ -156,13 +159,21 @@ def test_packed_sequences_each_walk_the_layout_from_their_start(pattern):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "name", ["local", "strided", "longformer", "bigbird", "bigbird 128", "dilated"]
-)
-def test_on_cuda_against_the_dense_reference(name):
+    "name",
+    ["local", "local, layout kernels", "strided", "longformer", "bigbird", "bigbird 128",
+     "dilated", "dilated, layout kernels"],
+)  # fmt: skip
+@pytest.mark.parametrize("n", [2000, 2048])
+def test_on_cuda_against_the_dense_reference(name, n, monkeypatch):
     """The GPU twin: compiled kernels at 64-token tiles (BigBird's 128-token blocks split into
-    them), head dim 128, bf16, 2 sequences of 2000 tokens (a partial last tile), within 2x of
-    PyTorch's bf16 error against fp64."""
-    n = 2000
+    them), head dim 128, bf16, 2 sequences of 2000 tokens (a partial last tile) or 2048,
+    within 2x of PyTorch's bf16 error against fp64. A band alone runs memfit's FlashAttention
+    with its window; "layout kernels": the block-sparse kernels instead."""
+    from memfit.ops.attention import block_sparse
+
+    if name.endswith("layout kernels"):
+        monkeypatch.setattr(block_sparse, "BAND_TO_FLASH", False)
+        name = name.split(",")[0]
     pattern = {
         "local": sparse.local(256),
         "strided": sparse.strided(128),

@@ -230,6 +230,7 @@ def _bwd_kernel(
     softmax_scale,
     num_heads_kv,
     TUNE_N,
+    TUNE_W,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,

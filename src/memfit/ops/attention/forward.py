@@ -94,6 +94,7 @@ def _fwd_kernel(
     qk_scale,
     num_heads,
     TUNE_N,  # autotune key only: the longest sequence, rounded to a power of two
+    TUNE_W,  # autotune key only: the band's width (launch._tune_w)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,

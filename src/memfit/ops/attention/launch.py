@@ -33,7 +33,7 @@ _BWD_CONFIGS = {
 }  # fmt: skip
 _INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16}
 _INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}
-_TUNE_KEY = ["HEAD_DIM", "BLOCK_D", "GROUP", "IS_VARLEN", "REVERSE", "TUNE_N"]
+_TUNE_KEY = ["HEAD_DIM", "BLOCK_D", "GROUP", "IS_VARLEN", "REVERSE", "TUNE_N", "TUNE_W"]
 _tuned: dict[tuple[str, int], object] = {}
 
 
@@ -89,6 +89,13 @@ def _tune_n(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
 
 
+def _tune_w(left: int, right: int, seqlen_k: int) -> int:
+    """The autotune key's band: the keys a query row may see (a sliding window's width, else
+    the sequence), rounded like TUNE_N: a window's tiles are tuned apart from dense attention's
+    at the same length."""
+    return _tune_n(min(left + right + 1, seqlen_k))
+
+
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right, scale):
     batch, heads, heads_kv, head_dim = _shape(q, k, cu_seqlens_q)
     varlen = cu_seqlens_q is not None
@@ -109,7 +116,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, le
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *_layout(q), *_layout(k), *_layout(v), *_layout(out), *stride_lse,
         max_seqlen_q, max_seqlen_k, left, right, scale * LOG2E, heads,
-        _tune_n(max(max_seqlen_q, max_seqlen_k)),
+        _tune_n(max(max_seqlen_q, max_seqlen_k)), _tune_w(left, right, max_seqlen_k),
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
         REVERSE=right < NO_LIMIT, INTERPRET=interpreter_enabled(), **meta,
     )  # fmt: skip
@@ -167,7 +174,7 @@ def _backward(
         *_layout(q), *_layout(k), *_layout(v), *_layout(dout), *_layout(dq), *_layout(dk),
         *_layout(dv), *stride_lse,
         max_seqlen_q, max_seqlen_k, left, right, scale * LOG2E, scale, heads_kv,
-        _tune_n(max(max_seqlen_q, max_seqlen_k)),
+        _tune_n(max(max_seqlen_q, max_seqlen_k)), _tune_w(left, right, max_seqlen_k),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
         REVERSE=right < NO_LIMIT, INTERPRET=interpret, **meta,
     )  # fmt: skip
