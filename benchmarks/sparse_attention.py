@@ -22,6 +22,11 @@ length), "flex".
     python benchmarks/sparse_attention.py --lengths 4096 16384 65536 131072 --systems memfit
     python benchmarks/sparse_attention.py --train                # llama-1b training at 16k
     python benchmarks/sparse_attention.py --decode --lengths 8192 32768 131072  # paged decode
+    python benchmarks/sparse_attention.py --kernels --patterns local   # kernel and host time
+
+--kernels: per forward + backward call, each system's GPU kernel time (torch.profiler, summed
+over the call's kernels) and the host's time to issue the call, next to the CUDA-event time:
+where the host's time nears the kernels', back-to-back calls are bound by the host.
 
 --train: `memfit train`'s engine on llama-1b shapes (random weights, max_seq_len raised to the
 length) at sequence 16384, micro-batch 1, bf16, full checkpointing: dense memfit flash against
@@ -102,6 +107,37 @@ def flex_mask_mod(pattern: sparse.Pattern, seqlen: int, device: str = "cuda"):
         return allowed
 
     return mask_mod
+
+
+def kernel_times(fn, args, calls: int = 5) -> dict:
+    """GPU time per forward + backward call by kernel (torch.profiler), and the host's time to
+    issue one call (the device drained before and after)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, dout = args
+
+    def both():
+        torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+    both()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            both()
+        torch.cuda.synchronize()
+    kernels = {
+        e.key[:60]: e.device_time_total / calls / 1e3
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    }
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        both()
+    host = (time.perf_counter() - start) / 20 * 1e3
+    torch.cuda.synchronize()
+    return {"kernel_ms": sum(kernels.values()), "kernels_ms": kernels, "host_ms": host}
 
 
 def measure(fn, args) -> dict:
@@ -239,6 +275,9 @@ def main() -> None:
     parser.add_argument(
         "--decode", action="store_true", help="the paged decode step over --lengths, batch 8"
     )
+    parser.add_argument(
+        "--kernels", action="store_true", help="kernel time and host time per call as well"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.decode:
@@ -285,21 +324,19 @@ def main() -> None:
                     if system.startswith("memfit"):  # (its layout built once, untimed)
                         tile = sparse.tile_for(pattern, GPU_BLOCK)
                         row["density"] = sparse.block_layout(pattern, n, tile, "cuda").density
-                        row |= measure(
-                            lambda q, k, v, p=pattern: sparse_attention(q, k, v, p), (q, k, v, dout)
-                        )
+                        call = lambda q, k, v, p=pattern: sparse_attention(q, k, v, p)  # noqa: E731
+                        row |= measure(call, (q, k, v, dout))
                     else:
                         mask = create_block_mask(
                             flex_mask_mod(pattern, n), None, None, n, n, device="cuda",
                             BLOCK_SIZE=128,
                         )  # fmt: skip
-                        row |= measure(
-                            lambda q, k, v, m=mask: flex(
-                                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                block_mask=m,
-                            ).transpose(1, 2),
-                            (q, k, v, dout),
-                        )  # fmt: skip
+                        call = lambda q, k, v, m=mask: flex(  # noqa: E731
+                            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=m
+                        ).transpose(1, 2)
+                        row |= measure(call, (q, k, v, dout))
+                    if args.kernels:
+                        row |= kernel_times(call, (q, k, v, dout))
                 except Exception as error:  # (Triton's OutOfResources too: kept as a row)
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 rows.append(row)
@@ -308,7 +345,8 @@ def main() -> None:
         for row in rows:
             row["seqlen"] = n
             run["records"].append(row)
-    print(f"results: {harness.append_results('sparse_attention', run, args.out)}")
+    name = "sparse_attention_kernels" if args.kernels else "sparse_attention"
+    print(f"results: {harness.append_results(name, run, args.out)}")
 
 
 if __name__ == "__main__":
