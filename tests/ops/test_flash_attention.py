@@ -262,3 +262,25 @@ def test_planner_knows_flash_attention_memory():
     flash_plan = plan(model, strategy)
     sdpa_plan = plan(model, Strategy(micro_batch=4, seq_len=2048, attention="sdpa"))
     assert flash_plan.peak_bytes <= sdpa_plan.peak_bytes
+
+
+def test_a_narrow_window_is_tuned_among_small_tiles():
+    """The autotune key tells a sliding window narrower than the sequence from dense attention
+    (TUNE_W), and a window of at most NARROW_BAND keys keeps only the 64-tile candidates."""
+    triton = pytest.importorskip("triton")
+    from memfit.ops.attention import launch
+    from memfit.ops.attention.tiles import NO_LIMIT
+
+    assert launch._tune_w(NO_LIMIT, 0, 4096) == 0  # causal, no window
+    assert launch._tune_w(NO_LIMIT, NO_LIMIT, 4096) == 0
+    assert launch._tune_w(5000, 0, 4096) == 0  # a window wider than the sequence
+    assert launch._tune_w(511, 0, 16384) == 512
+    assert launch._tune_w(256, 256, 16384) == 1024  # (513 keys, rounded up)
+    configs = [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+        for m, n, w, st in launch._FWD_CONFIGS[128]
+    ]
+    narrow = launch._narrow_band_configs(configs, {"TUNE_W": 512})
+    assert [c.kwargs for c in narrow] == [{"BLOCK_M": 64, "BLOCK_N": 64}]
+    for band in (0, 1024, 16384):
+        assert launch._narrow_band_configs(configs, {"TUNE_W": band}) == configs

@@ -1,19 +1,24 @@
-"""NF4 and int8 weight quantization (memfit.ops.quant) and the frozen quantized linear layer
+"""NF4, int8 and int4 weight quantization (memfit.ops.quant) and the frozen quantized linear layer
 (memfit.nn.quant): the NF4 levels are QLoRA's published table; every weight takes its nearest
-level; double quantization keeps the block scales within a fraction of a level; the layer's
-output and input gradient equal the dequantized weight's; QLoRA trains."""
+level; double quantization keeps the block scales within a fraction of a level; int4 rounds each
+weight to its group's nearest level, keeps zeros exact and packs two a byte; a layer the group
+does not divide takes a smaller one, saying so; the layer's output and input gradient equal the
+dequantized weight's; QLoRA trains."""
 
 import pytest
 import torch
 
 from memfit.config import build_config
 from memfit.nn import Linear
-from memfit.nn.quant import QuantLinear, quantized_linear
+from memfit.nn.quant import QuantLinear, quantize_model, quantized_linear
 from memfit.ops.quant import (
     NF4_BLOCK,
+    dequantize_int4,
     dequantize_int8,
     dequantize_nf4,
+    int4_group,
     nf4_code,
+    quantize_int4,
     quantize_int8,
     quantize_nf4,
 )
@@ -70,12 +75,56 @@ def test_int8_rounds_each_row_to_its_scale():
     assert (restored - weight).abs().max() <= state["scale"].max() / 2 + 1e-7
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("group", [128, 32])
+def test_int4_rounds_each_weight_to_its_groups_nearest_level(group):
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(7, 256, generator=g) * torch.rand(7, 1, generator=g)
+    weight[2, :group] = 0.0  # a group of zeros
+    weight[3, group : 2 * group] = weight[3, group : 2 * group].abs() + 0.5  # all positive
+    state = quantize_int4(weight, group)
+    assert state["packed"].shape == (7, 128) and state["packed"].dtype == torch.uint8
+    assert state["scale"].shape == state["zero"].shape == (7, 256 // group)
+    restored = dequantize_int4(state, torch.float32)
+    step = state["scale"].repeat_interleave(group, dim=1)
+    assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(restored[2, :group], torch.zeros(group))  # zeros stay exact
+    # each nibble in range, the even feature in the low one
+    q = torch.stack([state["packed"] & 0xF, state["packed"] >> 4], -1).reshape(7, 256)
+    levels = torch.round(weight / step.clamp_min(1e-12)) + state["zero"].repeat_interleave(
+        group, dim=1
+    )
+    assert torch.equal(q[0].float(), levels[0].clamp(0, 15))
+    bits = 8 * sum(t.numel() * t.element_size() for t in state.values()) / weight.numel()
+    assert bits == 4 + 40 / group
+
+
+def test_int4_takes_a_smaller_group_where_128_does_not_divide(caplog):
+    assert int4_group(4096) == 128 and int4_group(576) == 64 and int4_group(48) == 16
+    with pytest.raises(ValueError, match="divisible by a group of 16 to 128; this layer has 40"):
+        int4_group(40)
+    with pytest.raises(ValueError, match="does not divide the 576"):
+        quantize_int4(torch.randn(4, 576), 128)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({
+                "wide": Linear(256, 8), "odd": Linear(576, 8)})])  # fmt: skip
+
+    model = Model()
+    with caplog.at_level("WARNING"):
+        quantize_model(model, "int4", dtype=torch.float32)
+    wide, odd = model.layers[0]["wide"].quant, model.layers[0]["odd"].quant
+    assert (wide.group, odd.group) == (128, 64)
+    assert "layers of 576 input features" in caplog.text and "groups of 64" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8", "int4"])
 def test_the_quantized_layer_equals_its_dequantized_weight_forward_and_backward(kind):
-    base = Linear(96, 40, bias=True)
+    base = Linear(128, 40, bias=True)
     layer = QuantLinear(base, kind, torch.float32)
     weight = layer.quant.dequantize(torch.float32)
-    x = torch.randn(3, 5, 96, requires_grad=True)
+    x = torch.randn(3, 5, 128, requires_grad=True)
     y = layer(x)
     torch.testing.assert_close(y, x @ weight.T + layer.bias)
     grad = torch.randn_like(y)

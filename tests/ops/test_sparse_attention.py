@@ -243,8 +243,7 @@ def test_packed_sequences_with_a_layout_per_head_on_the_plain_path():
 def test_dense_subsequences_run_flash_attention(monkeypatch, causal):
     """A dilated pattern without a window (dense attention on each subsequence), in bf16, runs
     memfit.flash_attention where its subsequences are long enough (DENSE_TO_FLASH, here 16
-    tokens) and gives what the block-sparse kernels give; a windowed one runs the block-sparse
-    kernels."""
+    tokens) and gives what the block-sparse kernels give; a windowed one is no dense one."""
     from memfit.ops.attention import block_sparse
 
     pattern, seqlen = sparse.dilated(4, causal=causal), 80
@@ -303,3 +302,61 @@ def test_the_backward_widens_its_tiles_where_that_adds_little_work():
         (16, 16),
         (16, 16),
     )
+
+
+def test_a_band_alone_runs_flash_attention_with_its_window(monkeypatch):
+    """In bf16 a band and nothing else (local, bidirectional, dilated with a window; batched or
+    packed) runs memfit.flash_attention with the pattern's window and gives what the
+    block-sparse kernels give; fp32, a head dim or softmax scale FlashAttention refuses, a band
+    with more (strided columns) and BAND_TO_FLASH = False run the kernels."""
+    from memfit.ops.attention import block_sparse
+
+    calls = []
+    forward = block_sparse._forward
+    monkeypatch.setattr(block_sparse, "_forward", lambda *a: calls.append(1) or forward(*a))
+
+    def kernels_ran(fn, tensors, grad):
+        calls.clear()
+        result = run(fn, tensors, grad)
+        return bool(calls), result
+
+    with triton_on_cpu():
+        for pattern, seqlen in ((sparse.local(20), 77), (sparse.local(9, causal=False), 77),
+                                (sparse.dilated(4, window=6), 80)):  # fmt: skip
+            low, grad = inputs(torch.bfloat16, seqlen, dim=32)
+            ran, flash = kernels_ran(
+                lambda q, k, v, p=pattern: sparse_attention(q, k, v, p), low, grad
+            )
+            assert not ran, pattern
+            monkeypatch.setattr(block_sparse, "BAND_TO_FLASH", False)
+            ran, layout = kernels_ran(
+                lambda q, k, v, p=pattern: sparse_attention(q, k, v, p), low, grad
+            )
+            monkeypatch.setattr(block_sparse, "BAND_TO_FLASH", True)
+            assert ran, pattern
+            for a, b in zip(flash, layout, strict=True):
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        # packed sequences
+        lengths = [37, 64, 21]
+        cu = torch.tensor([0, 37, 101, 122], dtype=torch.int32)
+        (q, k, v), grad = inputs(torch.bfloat16, sum(lengths), batch=1, dim=32)
+        packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
+        ran, out = kernels_ran(
+            lambda q, k, v: sparse_attention_varlen(q, k, v, cu, sparse.local(9)), packed, grad[0]
+        )
+        assert not ran
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            alone = sparse_attention(*(t[None, a:b] for t in packed), sparse.local(9))
+            torch.testing.assert_close(out[0][a:b].float(), alone[0].float(), rtol=1e-2, atol=1e-2)
+        # the kernels: fp32, an odd head dim, a zero scale, strided columns
+        for dtype, dim, options, pattern in (
+            (torch.float32, 32, {}, sparse.local(20)),
+            (torch.bfloat16, 12, {}, sparse.local(20)),
+            (torch.bfloat16, 32, {"softmax_scale": 0.0}, sparse.local(20)),
+            (torch.bfloat16, 32, {}, sparse.strided(12)),
+        ):
+            low, grad = inputs(dtype, 77, dim=dim)
+            ran, _ = kernels_ran(
+                lambda q, k, v, p=pattern, o=options: sparse_attention(q, k, v, p, **o), low, grad
+            )
+            assert ran, (dtype, dim, options, pattern)

@@ -1,5 +1,6 @@
-"""Frozen linear layers over quantized weights (QLoRA's base): NF4 with double-quantized scales
-or int8 per row (memfit.ops.quant), dequantized to the compute dtype for each product.
+"""Frozen linear layers over quantized weights (QLoRA's base; weight-only quantized inference):
+NF4 with double-quantized scales, int8 per row, or int4 in groups of 128 input features,
+asymmetric (memfit.ops.quant), dequantized to the compute dtype for each product.
 
     quantize_model(model, "nf4", dtype=torch.bfloat16)   # every linear layer of the blocks
 
@@ -17,11 +18,12 @@ benchmarks/results/quant_matmul.json) that is faster for NF4 at every row count 
 (llama-3-8b's gate_up, 2048 rows: 0.7 ms against 10 ms fused; the kernel's per-element code
 lookup is a gather, which Triton pipelines through shared memory) and for int8 above 16 rows (at
 8192 rows cuBLAS runs at 700-800 TFLOP/s, the fused int8 kernel at 410-440). Elsewhere (CPU,
-fp32) W is dequantized in PyTorch for each product.
+fp32) W is dequantized in PyTorch for each product, as int4 weights are everywhere for now.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
@@ -32,25 +34,45 @@ from torch import Tensor
 from memfit import functional as MF
 from memfit.nn.linear import Linear, replace_module
 from memfit.ops._triton import rows_view, use_triton
-from memfit.ops.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from memfit.ops.quant import (
+    INT4_GROUP,
+    dequantize_int4,
+    dequantize_int8,
+    dequantize_nf4,
+    int4_group,
+    quantize_int4,
+    quantize_int8,
+    quantize_nf4,
+)
 from memfit.ops.quant import matmul as kernels
 
-Kind = Literal["nf4", "int8"]
+Kind = Literal["nf4", "int8", "int4"]
+KINDS = ("nf4", "int8", "int4")
 
 # Products of more rows than this dequantize W whole and call cuBLAS (measured: module docstring).
-FUSED_MAX_ROWS = {"nf4": 0, "int8": 16}
+FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": -1}
 
 
 class QuantizedWeight(nn.Module):
     """An (out, in) weight, quantized; `dequantize()` gives it back in the compute dtype."""
 
-    def __init__(self, weight: Tensor, kind: Kind, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: Tensor, kind: Kind, dtype: torch.dtype, *, group: int = INT4_GROUP
+    ) -> None:
+        """group: int4's group of input features (`int4_group` picks a smaller one where it
+        does not divide them: `self.group`)."""
         super().__init__()
-        if kind not in ("nf4", "int8"):
-            raise ValueError(f"quantize to 'nf4' or 'int8', got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"quantize to one of {', '.join(KINDS)}, got {kind!r}")
         self.kind, self.dtype = kind, dtype
         self.shape = tuple(weight.shape)
-        state = quantize_nf4(weight) if kind == "nf4" else quantize_int8(weight)
+        self.group = int4_group(weight.shape[1], group) if kind == "int4" else None
+        if kind == "nf4":
+            state = quantize_nf4(weight)
+        elif kind == "int8":
+            state = quantize_int8(weight)
+        else:
+            state = quantize_int4(weight, self.group)
         for name, tensor in state.items():
             self.register_buffer(name, tensor)
 
@@ -60,6 +82,8 @@ class QuantizedWeight(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         dtype = dtype or self.dtype
         state = self.state()
+        if self.kind == "int4":
+            return dequantize_int4(state, dtype)
         if use_triton(state["scale" if self.kind == "int8" else "packed"]):
             return kernels.dequantize(state, self.kind, self.shape, dtype)
         if self.kind == "nf4":
@@ -68,7 +92,11 @@ class QuantizedWeight(nn.Module):
 
     def fused(self, tensor: Tensor) -> bool:
         """Whether products with `tensor` (an input or gradient) run the dequantizing kernels."""
-        return use_triton(tensor) and tensor.dtype in (torch.bfloat16, torch.float16)
+        return (
+            self.kind != "int4"
+            and use_triton(tensor)
+            and tensor.dtype in (torch.bfloat16, torch.float16)
+        )
 
     def matmul(self, x: Tensor, bias: Tensor | None = None, *, transpose: bool = False) -> Tensor:
         """x W^T (+ bias), or x W with transpose (the input's gradient), in x's dtype."""
@@ -87,7 +115,8 @@ class QuantizedWeight(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.state().values())
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, shape={self.shape}, {self.nbytes() / 2**20:.2f} MiB"
+        group = f", group={self.group}" if self.group else ""
+        return f"{self.kind}{group}, shape={self.shape}, {self.nbytes() / 2**20:.2f} MiB"
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -162,7 +191,24 @@ def quantize_model(
                 layer = QuantLinear(module, kind, dtype, device)
                 replace_module(block, path, layer)
                 total += layer.quant.nbytes()
+                _say_group(layer.quant, path)
     return total
+
+
+_said: set[tuple[int, int]] = set()
+
+
+def _say_group(quant: QuantizedWeight, path: str) -> None:
+    """Say (once per shape) where int4 took a smaller group than INT4_GROUP."""
+    if quant.kind != "int4" or quant.group == INT4_GROUP:
+        return
+    key = (quant.shape[1], quant.group)
+    if key not in _said:
+        _said.add(key)
+        logging.getLogger(__name__).warning(
+            "int4: layers of %d input features (%s, ...) use groups of %d: %d does not divide "
+            "them", quant.shape[1], path, quant.group, INT4_GROUP,
+        )  # fmt: skip
 
 
 @torch.no_grad()

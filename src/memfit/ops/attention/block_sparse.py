@@ -26,10 +26,11 @@ each subsequence is contiguous, attended with the subsequence's layout, and put 
 from DENSE_TO_FLASH tokens memfit's dense FlashAttention runs them.
 
 A band and nothing else (local attention, causal or not; a dilated pattern with a window, on its
-subsequences) is memfit's FlashAttention's own sliding window: in fp16/bf16 that kernel runs it
-(BAND_TO_FLASH), walking the band by arithmetic instead of a layout, dq and dk/dv programs in one
-launch (on an H100, local-512 at 16k: 0.85x the layout-walking kernels' time, Flex's masks'
-0.83x).
+subsequences) is memfit's FlashAttention's own sliding window: in fp16/bf16, at the head dims
+and softmax scales that kernel takes, it runs it (BAND_TO_FLASH), walking the band by arithmetic
+instead of a layout, dq and dk/dv programs in one launch (on an H100, local-512 at 16k: 0.86x
+the layout-walking kernels' kernel time and Flex's, benchmarks/results/
+sparse_attention_kernels.json).
 
 On CPU tensors outside `memfit.ops._triton.triton_on_cpu()` a plain-PyTorch path runs the dense
 masked product (O(seqlen^2) memory: for tests and small shapes).
@@ -44,7 +45,11 @@ import torch
 from torch import Tensor
 
 from memfit.ops._triton import interpreter_enabled, kernels_requested, launch, tl, triton
-from memfit.ops.attention.interface import flash_attention, flash_attention_varlen
+from memfit.ops.attention.interface import (
+    flash_attention,
+    flash_attention_varlen,
+    head_dim_supported,
+)
 from memfit.ops.attention.launch import LOG2E, _layout, delta_and_lse2
 from memfit.ops.attention.sparse import (
     NO_LIMIT,
@@ -402,11 +407,17 @@ def _dense_subsequences(pattern: Pattern) -> bool:
     return _band_only(pattern) and all(side >= NO_LIMIT for side in sides)
 
 
-def _flash_window(pattern: Pattern, seqlen: int, dtype: torch.dtype) -> tuple | None:
+def _flash_window(pattern: Pattern, seqlen: int, q: Tensor, scale: float) -> tuple | None:
     """The (left, right) window memfit's FlashAttention runs this pattern with on sequences of
     `seqlen` tokens (its subsequences' for a dilated one), or None where the block-sparse
-    kernels run it (BAND_TO_FLASH, DENSE_TO_FLASH; fp16/bf16 only)."""
-    if dtype not in (torch.float16, torch.bfloat16) or not _band_only(pattern):
+    kernels run it (BAND_TO_FLASH, DENSE_TO_FLASH; fp16/bf16 q at a head dim and softmax scale
+    FlashAttention takes)."""
+    if (
+        q.dtype not in (torch.float16, torch.bfloat16)
+        or not head_dim_supported(q.shape[-1])
+        or not (isinstance(scale, (int, float)) and 0 < scale < math.inf)
+        or not _band_only(pattern)
+    ):
         return None
     if _dense_subsequences(pattern):
         if DENSE_TO_FLASH is None or seqlen < DENSE_TO_FLASH:
@@ -618,7 +629,9 @@ def sparse_attention(
     and k, v (batch, seqlen, heads_kv, dim) with heads % heads_kv == 0 (GQA). Self-attention:
     q, k and v have one length. `block`: the kernels' tile size (default 64 on GPUs, 16 under
     the interpreter; a pattern's random or user blocks must be a multiple of it, and are split
-    into its tiles); the pattern's layout is built once per shape and cached. Differentiable."""
+    into its tiles); the pattern's layout is built once per shape and cached. A band alone in
+    fp16/bf16 runs memfit's FlashAttention with that window instead (module docstring), which
+    takes no layout and no `block`. Differentiable."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(
             f"q (batch, seqlen, heads, dim) and k, v (batch, seqlen, heads_kv, dim) expected, "
@@ -651,9 +664,11 @@ def _run(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, block: int, scale: f
             return t.unflatten(1, (seqlen // dilation, dilation)).transpose(1, 2).flatten(0, 1)
 
         q, k, v = split(q), split(k), split(v)
-    window = _flash_window(pattern, seqlen // dilation, q.dtype)
+    window = _flash_window(pattern, seqlen // dilation, q, scale)
     if window is not None:
-        out = flash_attention(q, k, v, causal=pattern.causal, window=window, softmax_scale=scale)
+        out = flash_attention(
+            q, k, v, causal=pattern.causal, window=window, softmax_scale=float(scale)
+        )
     else:
         layout = block_layout(pattern, seqlen, block, q.device)
         backward = functools.partial(_backward_layouts, pattern, seqlen, block, q.device)
@@ -726,11 +741,11 @@ def sparse_attention_varlen(
 @torch.compiler.disable
 def _run_varlen(q, k, v, cu_seqlens, pattern, max_seqlen, block, scale) -> Tensor:
     """`_run` for packed sequences."""
-    window = _flash_window(pattern, max_seqlen, q.dtype)
+    window = _flash_window(pattern, max_seqlen, q, scale)
     if window is not None:
         return flash_attention_varlen(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=pattern.causal,
-            window=window, softmax_scale=scale,
+            window=window, softmax_scale=float(scale),
         )  # fmt: skip
     layout = block_layout(pattern, max_seqlen, block, q.device)
     backward = functools.partial(_backward_layouts, pattern, max_seqlen, block, q.device)

@@ -35,8 +35,9 @@ _BWD_CONFIGS = {
 # candidates whose tiles are at most 64 on each side: a tile of 128 rows walks 128 more keys of
 # the band's edges per row. On an H100 (window 512, 16k, head dim 128) the 64 x 64 forward took
 # 0.24 ms against 0.29-0.48 for the others, the 64-tile backward 0.73 against 0.80-1.04, and
-# the autotuner's timings, a few hundred microseconds each, did not always pick them.
-NARROW_BAND = 2048
+# the autotuner's timings, a few hundred microseconds each, did not always pick them. Wider
+# windows (where the edges are a smaller part of the band) are tuned among every candidate.
+NARROW_BAND = 512
 _INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16}
 _INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}
 _TUNE_KEY = ["HEAD_DIM", "BLOCK_D", "GROUP", "IS_VARLEN", "REVERSE", "TUNE_N", "TUNE_W"]
@@ -46,7 +47,8 @@ _tuned: dict[tuple[str, int], object] = {}
 def _narrow_band_configs(configs, named_args, **kwargs):
     """The autotuner's pruning (NARROW_BAND): for a narrow band, the candidates with tiles of
     at most 64 (all of them when none has)."""
-    if not 0 < named_args["TUNE_W"] <= NARROW_BAND:
+    band = named_args.get("TUNE_W", kwargs.get("TUNE_W", 0))
+    if not 0 < band <= NARROW_BAND:
         return configs
     small = [
         c for c in configs if max(v for k, v in c.kwargs.items() if k.startswith("BLOCK")) <= 64
@@ -226,5 +228,5 @@ def _backward(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
         REVERSE=right < NO_LIMIT, INTERPRET=interpret,
     )  # fmt: skip
-    _launch_tuned("bwd", block_d, grid, q.device, args, (*tune, q.dtype), meta)
+    _launch_tuned("bwd", block_d, grid, q.device, args, (*tune, q.dtype, dout.dtype), meta)
     return dq, dk, dv

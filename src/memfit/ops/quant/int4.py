@@ -1,0 +1,72 @@
+"""int4 weight-only quantization, group-wise and asymmetric (round to nearest), for inference.
+
+Each row of an (out, in) weight is cut into groups of `group` consecutive input features (128 by
+default). A group's 16 levels span its own range: scale = (max - min) / 15 and an integer zero
+point z = round(-min / scale) in [0, 15], so that a weight w is stored as
+q = clamp(round(w / scale) + z, 0, 15) and read back as (q - z) * scale. The range always
+includes 0 (min <= 0 <= max), so 0 is a level and a group of zeros stays zeros. Two weights a
+byte, the even input feature in the low nibble. Storage: 4 + (32 + 8) / group bits a weight
+(4.3 at 128).
+
+A layer whose input features the group does not divide takes the largest power of two below
+it that does (`int4_group`), down to MIN_GROUP; `quantize_model` says which layers did.
+
+Reference implementations in PyTorch; they run once per weight at load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+INT4_GROUP = 128
+MIN_GROUP = 16
+
+
+def int4_group(in_features: int, group: int = INT4_GROUP) -> int:
+    """The group size a layer of `in_features` inputs is quantized with: `group`, else the
+    largest power of two below it that divides `in_features` (at least MIN_GROUP)."""
+    if group < MIN_GROUP or group & (group - 1):
+        raise ValueError(f"the int4 group must be a power of two >= {MIN_GROUP}, got {group}")
+    size = group
+    while size >= MIN_GROUP:
+        if in_features % size == 0:
+            return size
+        size //= 2
+    raise ValueError(
+        f"int4 needs input features divisible by a group of {MIN_GROUP} to {group}; this layer "
+        f"has {in_features}"
+    )
+
+
+@torch.no_grad()
+def quantize_int4(weight: Tensor, group: int = INT4_GROUP) -> dict[str, Tensor]:
+    """weight (out, in) -> {"packed": uint8 (out, in / 2), "scale": fp32 (out, in / group),
+    "zero": uint8 (out, in / group)}; `group` must divide `in` (`int4_group`)."""
+    if weight.ndim != 2:
+        raise ValueError(f"quantize a 2-D weight (out, in), got shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ValueError(
+            f"a group of {group} does not divide the {in_features} input features "
+            f"(int4_group({in_features}) picks one that does)"
+        )
+    w = weight.float().reshape(out_features, in_features // group, group)
+    low = w.amin(dim=2).clamp(max=0.0)
+    high = w.amax(dim=2).clamp(min=0.0)
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-low / safe).clamp(0, 15)
+    q = (torch.round(w / safe[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.reshape(out_features, in_features)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return {"packed": packed, "scale": scale, "zero": zero.to(torch.uint8)}
+
+
+def dequantize_int4(state: dict[str, Tensor], dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The (out, in) weight of `quantize_int4`'s state, in `dtype`."""
+    packed, scale, zero = state["packed"], state["scale"], state["zero"]
+    out_features, groups = scale.shape
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(out_features, groups, -1)
+    w = (q.float() - zero.float()[..., None]) * scale[..., None]
+    return w.reshape(out_features, -1).to(dtype)
