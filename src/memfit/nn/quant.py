@@ -146,12 +146,14 @@ class QuantLinear(nn.Module):
     """A frozen linear layer over a quantized weight; its bias (if any) frozen in `dtype`."""
 
     def __init__(
-        self, base: Linear, kind: Kind, dtype: torch.dtype, device: torch.device | None = None
-    ) -> None:
-        """device: where the quantized weight lives (default: the base's)."""
+        self, base: Linear, kind: Kind, dtype: torch.dtype, device: torch.device | None = None,
+        *, group: int = INT4_GROUP,
+    ) -> None:  # fmt: skip
+        """device: where the quantized weight lives (default: the base's); group: int4's."""
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.quant = QuantizedWeight(base.weight.detach().to(device), kind, dtype)
+        weight = base.weight.detach().to(device)
+        self.quant = QuantizedWeight(weight, kind, dtype, group=group)
         self.bias = None
         if base.bias is not None:
             bias = base.bias.detach().to(device=device, dtype=dtype)
@@ -170,14 +172,15 @@ class QuantLinear(nn.Module):
 @torch.no_grad()
 def quantize_model(
     model: nn.Module, kind: Kind, *, dtype: torch.dtype, device: torch.device | None = None,
-    blocks: list[int] | None = None,
+    blocks: list[int] | None = None, group: int = INT4_GROUP,
 ) -> int:  # fmt: skip
     """Quantize the weight of every linear layer inside the blocks (`model.layers`, or those of
     `blocks`; the embedding and the output head stay as they are): a plain `Linear` becomes a
     `QuantLinear`, a `LoRALinear` keeps its adapters over a quantized base. Each weight goes to
     `device` (default: where it is), is quantized there and its full-precision copy freed before
     the next: a model held in CPU memory reaches the GPU quantized, never whole. Returns the
-    bytes the quantized weights take."""
+    bytes the quantized weights take. `group`: int4's group of input features (a layer it does
+    not divide takes a smaller one, and a warning says which)."""
     from memfit.nn.lora import LoRALinear
 
     total = 0
@@ -188,26 +191,26 @@ def quantize_model(
                 module.quantize(kind, dtype, device)
                 total += module.quant.nbytes()
             elif type(module) is Linear:
-                layer = QuantLinear(module, kind, dtype, device)
+                layer = QuantLinear(module, kind, dtype, device, group=group)
                 replace_module(block, path, layer)
                 total += layer.quant.nbytes()
-                _say_group(layer.quant, path)
+                _say_group(layer.quant, path, group)
     return total
 
 
 _said: set[tuple[int, int]] = set()
 
 
-def _say_group(quant: QuantizedWeight, path: str) -> None:
-    """Say (once per shape) where int4 took a smaller group than INT4_GROUP."""
-    if quant.kind != "int4" or quant.group == INT4_GROUP:
+def _say_group(quant: QuantizedWeight, path: str, group: int) -> None:
+    """Say (once per shape) where int4 took a smaller group than the one asked for."""
+    if quant.kind != "int4" or quant.group == group:
         return
-    key = (quant.shape[1], quant.group)
+    key = (quant.shape[1], quant.group, group)
     if key not in _said:
         _said.add(key)
         logging.getLogger(__name__).warning(
             "int4: layers of %d input features (%s, ...) use groups of %d: %d does not divide "
-            "them", quant.shape[1], path, quant.group, INT4_GROUP,
+            "them", quant.shape[1], path, quant.group, group,
         )  # fmt: skip
 
 

