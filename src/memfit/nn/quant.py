@@ -50,7 +50,8 @@ Kind = Literal["nf4", "int8", "int4"]
 KINDS = ("nf4", "int8", "int4")
 
 # Products of more rows than this dequantize W whole and call cuBLAS (measured: module docstring).
-FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": -1}
+# (int4 products always dequantize: no kernel yet, `QuantizedWeight.fused`)
+FUSED_MAX_ROWS = {"nf4": 0, "int8": 16}
 
 
 class QuantizedWeight(nn.Module):
