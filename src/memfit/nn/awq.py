@@ -82,15 +82,14 @@ def awq_scale(
         q_size, kv_size = heads * dim, kv_heads * dim
         ffn = down.weight.shape[1]
 
-        def search(linear, name, gqa=None):
+        scales = []
+        for name, linear in (("attention.qkv", qkv), ("attention.out", out),
+                             ("mlp.gate_up", gate_up), ("mlp.down", down)):  # fmt: skip
+            gqa = (heads, kv_heads, dim) if linear is out else None
             scale, choice = _layer_scale(captured[linear], linear.weight, kind, group, gqa)
-            report.append(LayerScale(f"layers.{index}.{name}", *choice))  # noqa: B023
-            return scale
-
-        s_qkv = search(qkv, "attention.qkv")
-        s_out = search(out, "attention.out", gqa=(heads, kv_heads, dim))
-        s_gate_up = search(gate_up, "mlp.gate_up")
-        s_down = search(down, "mlp.down")
+            report.append(LayerScale(f"layers.{index}.{name}", *choice))
+            scales.append(scale)
+        s_qkv, s_out, s_gate_up, s_down = scales
         _fold(block.attention_norm.weight, qkv.weight, s_qkv)
         _fold(block.mlp_norm.weight, gate_up.weight, s_gate_up)
         s_v = s_out.view(kv_heads, heads // kv_heads, dim)[:, 0].reshape(-1)

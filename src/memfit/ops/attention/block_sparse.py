@@ -49,6 +49,7 @@ from memfit.ops.attention.interface import (
     flash_attention,
     flash_attention_varlen,
     head_dim_supported,
+    scale_supported,
 )
 from memfit.ops.attention.launch import LOG2E, _layout, delta_and_lse2
 from memfit.ops.attention.sparse import (
@@ -415,7 +416,7 @@ def _flash_window(pattern: Pattern, seqlen: int, q: Tensor, scale: float) -> tup
     if (
         q.dtype not in (torch.float16, torch.bfloat16)
         or not head_dim_supported(q.shape[-1])
-        or not (isinstance(scale, (int, float)) and 0 < scale < math.inf)
+        or not scale_supported(scale)
         or not _band_only(pattern)
     ):
         return None

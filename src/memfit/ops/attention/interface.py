@@ -264,12 +264,19 @@ def _window(window, causal: bool) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
+def scale_supported(softmax_scale) -> bool:
+    """Whether `softmax_scale` is one the kernels take: a positive finite Python number."""
+    return (
+        isinstance(softmax_scale, (int, float))
+        and math.isfinite(softmax_scale)
+        and softmax_scale > 0
+    )
+
+
 def _scale(softmax_scale: float | None, head_dim: int) -> float:
     if softmax_scale is None:
         return head_dim**-0.5
-    if not isinstance(softmax_scale, (int, float)) or not (
-        math.isfinite(softmax_scale) and softmax_scale > 0
-    ):
+    if not scale_supported(softmax_scale):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     return float(softmax_scale)
 
