@@ -21,6 +21,7 @@ from memfit.ops.quant import (
     quantize_int4,
     quantize_int8,
     quantize_nf4,
+    unpack_int4,
 )
 from memfit.ops.quant.nf4 import nf4_absmax
 from memfit.train.engine import Trainer
@@ -82,14 +83,16 @@ def test_int4_rounds_each_weight_to_its_groups_nearest_level(group):
     weight[2, :group] = 0.0  # a group of zeros
     weight[3, group : 2 * group] = weight[3, group : 2 * group].abs() + 0.5  # all positive
     state = quantize_int4(weight, group)
-    assert state["packed"].shape == (7, 128) and state["packed"].dtype == torch.uint8
+    assert state["packed"].shape == (7, 32) and state["packed"].dtype == torch.int32
     assert state["scale"].shape == state["zero"].shape == (7, 256 // group)
     restored = dequantize_int4(state, torch.float32)
     step = state["scale"].repeat_interleave(group, dim=1)
     assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(restored[2, :group], torch.zeros(group))  # zeros stay exact
-    # each nibble in range, the even feature in the low one
-    q = torch.stack([state["packed"] & 0xF, state["packed"] >> 4], -1).reshape(7, 256)
+    # each nibble the level of its feature: nibble j of a group's word c is feature j * G / 8 + c
+    words = state["packed"].reshape(7, 256 // group, group // 8)
+    q = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=2).reshape(7, 256)
+    assert torch.equal(q, unpack_int4(state["packed"], 256 // group))
     levels = torch.round(weight / step.clamp_min(1e-12)) + state["zero"].repeat_interleave(
         group, dim=1
     )

@@ -48,23 +48,48 @@ class RequestOutput:
     logprobs: list[float] | None = None
 
 
-def _build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int):
+def _build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int, on_block=None):
     """A preset's model with random weights, made on the meta device and allocated straight in
-    `dtype` (no fp32 copy)."""
+    `dtype` (no fp32 copy); with `on_block`, one block at a time, `on_block(model, index)` called
+    on each as soon as its weights are drawn (quantization: the model is never whole in
+    `dtype`)."""
     from memfit.models import PRESETS, get_family
 
     config = PRESETS[name]
     model = get_family(config.family).build(config, device="meta").to(dtype)
-    model.to_empty(device=device)
-    model.init_weights(torch.Generator(device=device).manual_seed(seed))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if on_block is None:
+        model.to_empty(device=device)
+        model.init_weights(generator)
+        return model.eval(), None
+    for child, module in model.named_children():  # in the order init_weights draws them
+        if child != "layers":
+            module.to_empty(device=device)
+            model.init_weights(generator, part=child)
+            continue
+        for index, block in enumerate(model.layers):
+            block.to_empty(device=device)
+            model.init_weights(generator, part=f"layers.{index}")
+            on_block(model, index)
     return model.eval(), None
 
 
-def _load(model: str | os.PathLike, device: torch.device, dtype: torch.dtype, seed: int):
+def _load(
+    model: str | os.PathLike, device: torch.device, dtype: torch.dtype, seed: int,
+    quantize: str | None = None,
+):  # fmt: skip
+    """The model and its checkpoint info; with `quantize` ('int8', 'int4') the blocks' linear
+    weights quantized as they arrive (memfit.nn.quant.quantize_model), one block at a time: the
+    model is never whole in `dtype` on `device`."""
     from memfit.models import PRESETS
+    from memfit.nn.quant import quantize_model
+
+    def on_block(loaded: torch.nn.Module, index: int) -> None:
+        quantize_model(loaded, quantize, dtype=dtype, blocks=[index])
 
     if isinstance(model, str) and model in PRESETS:
-        return _build_preset(model, device, dtype, seed)
+        built, info = _build_preset(model, device, dtype, seed, on_block if quantize else None)
+        return built, info
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(
@@ -73,7 +98,9 @@ def _load(model: str | os.PathLike, device: torch.device, dtype: torch.dtype, se
         )
     from memfit.models.loading import load_pretrained
 
-    loaded, info = load_pretrained(path, device=device, dtype=dtype)
+    loaded, info = load_pretrained(
+        path, device=device, dtype=dtype, on_block=on_block if quantize else None
+    )
     return loaded.eval(), info
 
 
@@ -134,6 +161,7 @@ class LLM(Texts):
         seed: int = 0,
         prefix_caching: bool = False,
         tokenizer: Tokenizer | None = None,
+        quantize: str | None = None,
     ) -> None:
         """model: a Hugging Face checkpoint directory, a memfit checkpoint, or a preset name.
         dtype: bf16, fp16 or fp32 (default bf16 on CUDA, fp32 on a CPU). memory_fraction: of the
@@ -145,7 +173,10 @@ class LLM(Texts):
         prefix_caching: requests reuse the KV blocks of a prefix computed before (a shared
         system prompt is computed once; `memfit serve` turns it on). tokenizer: one to use instead
         of the checkpoint's (memfit.train.data.load_tokenizer makes one); it may not have more
-        tokens than the model has embeddings."""
+        tokens than the model has embeddings. quantize: 'int8' (per output channel) or 'int4'
+        (groups of 128 input features, asymmetric) weight-only quantization of the blocks' linear
+        layers at load (memfit.nn.quant; the embedding and the output head stay in `dtype`):
+        a decode step reads half or about a quarter of the bytes."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         for name, value in (
@@ -163,7 +194,10 @@ class LLM(Texts):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         torch_dtype = _DTYPES[dtype]
-        self.model, info = _load(model, self.device, torch_dtype, seed)
+        if quantize not in (None, "int8", "int4"):
+            raise ValueError(f"quantize must be 'int8' or 'int4' (or None), got {quantize!r}")
+        self.quantize = quantize
+        self.model, info = _load(model, self.device, torch_dtype, seed, quantize)
         super().__init__(tokenizer or getattr(info, "tokenizer", None), info)
         self.config = self.model.config
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.config.vocab_size:
@@ -228,7 +262,7 @@ class LLM(Texts):
             self.config, total, dtype=next(self.model.parameters()).dtype,
             block_size=self.block_size, memory_fraction=fraction,
             max_step_tokens=max_step_tokens, max_running=max_running, seq_len=seq_len,
-            cuda_graph_batch_sizes=None if graphs else (),
+            cuda_graph_batch_sizes=None if graphs else (), quantize=self.quantize or "none",
         ).check_fits()  # fmt: skip
         extra = max(torch.cuda.memory_allocated(self.device) - plan.weights_bytes, 0)
         budget = plan.kv_pool_bytes - extra

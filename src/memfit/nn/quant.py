@@ -45,13 +45,13 @@ from memfit.ops.quant import (
     quantize_nf4,
 )
 from memfit.ops.quant import matmul as kernels
+from memfit.ops.quant.gemv import gemv_supported, quant_gemv
 
 Kind = Literal["nf4", "int8", "int4"]
 KINDS = ("nf4", "int8", "int4")
 
 # Products of more rows than this dequantize W whole and call cuBLAS (measured: module docstring).
-# (int4 products always dequantize: no kernel yet, `QuantizedWeight.fused`)
-FUSED_MAX_ROWS = {"nf4": 0, "int8": 16}
+FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": 16}
 
 
 class QuantizedWeight(nn.Module):
@@ -83,20 +83,28 @@ class QuantizedWeight(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         dtype = dtype or self.dtype
         state = self.state()
-        if self.kind == "int4":
-            return dequantize_int4(state, dtype)
-        if use_triton(state["scale" if self.kind == "int8" else "packed"]):
+        if use_triton(state["scale" if self.kind != "nf4" else "packed"]):
             return kernels.dequantize(state, self.kind, self.shape, dtype)
         if self.kind == "nf4":
             return dequantize_nf4(state, self.shape, dtype)
+        if self.kind == "int4":
+            return dequantize_int4(state, dtype)
         return dequantize_int8(state, dtype)
 
     def fused(self, tensor: Tensor) -> bool:
         """Whether products with `tensor` (an input or gradient) run the dequantizing kernels."""
+        return use_triton(tensor) and tensor.dtype in (torch.bfloat16, torch.float16)
+
+    def gemv(self, x: Tensor) -> bool:
+        """Whether the product with `x` is a decode step's one row that the quantized
+        matrix-vector kernel (memfit.ops.quant.gemv) takes: int8 or int4, no gradient asked."""
         return (
-            self.kind != "int4"
-            and use_triton(tensor)
-            and tensor.dtype in (torch.bfloat16, torch.float16)
+            x.numel() == x.shape[-1]
+            and self.kind != "nf4"
+            and gemv_supported(self.kind, self.shape)
+            and self.fused(x)
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and not torch.is_autocast_enabled(x.device.type)
         )
 
     def matmul(self, x: Tensor, bias: Tensor | None = None, *, transpose: bool = False) -> Tensor:
@@ -161,6 +169,14 @@ class QuantLinear(nn.Module):
             self.bias = nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: Tensor, *, swiglu: bool = False, residual: Tensor | None = None) -> Tensor:
+        """swiglu / residual as memfit.nn.Linear's: folded into the one-row kernel of a decode
+        step, separate ops otherwise."""
+        if self.quant.gemv(x) and (residual is None or residual.dtype == x.dtype):
+            bias = self.bias.to(x.dtype) if self.bias is not None else None
+            state = self.quant.state()
+            return quant_gemv(
+                x, state, self.quant.kind, self.quant.shape, bias, swiglu=swiglu, residual=residual
+            )
         y = quantized_linear(x, self.quant, self.bias)
         if swiglu:
             y = MF.swiglu(y)

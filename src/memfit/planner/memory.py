@@ -111,6 +111,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # memfit.ops.quant.nf4: weights per absmax, absmax values per second-level scale
 NF4_BLOCK = 64
 NF4_SCALE_BLOCK = 256
+INT4_GROUP = 128  # memfit.ops.quant.INT4_GROUP; a layer it does not divide takes a smaller one
 # the CUDA caching allocator hands out blocks in multiples of 512 bytes
 ALLOCATION_GRANULE = 512
 Quantize = Literal["none", "nf4", "int8"]
@@ -435,15 +436,23 @@ def _allocated(nbytes: int) -> int:
 def quantized_weight_bytes(out_features: int, in_features: int, kind: str) -> int:
     """Device bytes of one (out, in) weight stored by memfit.ops.quant: NF4 with double-quantized
     absmax (packed 4-bit indices, int8 absmax per 64, fp32 scale per 256 absmax, fp32 mean:
-    4.127 bits a weight) or int8 with an fp32 scale per row. Each buffer is one allocation."""
+    4.127 bits a weight), int8 with an fp32 scale per row, or int4 in groups (128 features, or
+    the largest power of two below that divides them: memfit.ops.quant.int4_group) with an fp32
+    scale and a uint8 zero point per group (4.31 bits). Each buffer is one allocation."""
     numel = out_features * in_features
     if kind == "nf4":
         blocks = -(-numel // NF4_BLOCK)
         buffers = [blocks * NF4_BLOCK // 2, blocks, 4 * -(-blocks // NF4_SCALE_BLOCK), 4]
     elif kind == "int8":
         buffers = [numel, 4 * out_features]
+    elif kind == "int4":
+        group = INT4_GROUP
+        while in_features % group and group > 16:
+            group //= 2
+        groups = out_features * (in_features // group)
+        buffers = [numel // 2, 4 * groups, groups]
     else:
-        raise ValueError(f"quantize to 'nf4' or 'int8', got {kind!r}")
+        raise ValueError(f"quantize to 'nf4', 'int8' or 'int4', got {kind!r}")
     return sum(_allocated(b) for b in buffers)
 
 
@@ -983,7 +992,7 @@ def _adapter_copy_bytes(model: ModelConfig, strategy: Strategy) -> int:
 # memfit.nn.quant.FUSED_MAX_ROWS: a quantized product of at most this many rows dequantizes
 # inside the matmul kernel; above it the weight is dequantized whole (compute dtype, one layer's
 # at a time) for cuBLAS, forward and backward.
-QUANT_FUSED_MAX_ROWS = {"nf4": 0, "int8": 16}
+QUANT_FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": 16}
 
 
 def dequantized_copy_bytes(linear: BlockLinear, strategy: Strategy, kind: str) -> int:

@@ -97,7 +97,13 @@ from typing import Any
 
 from memfit.models.config import ModelConfig
 from memfit.planner.hardware import GPU, GPUS, GiB, get_gpu
-from memfit.planner.memory import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, FRAGMENTATION
+from memfit.planner.memory import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION,
+    block_linears,
+    frozen_model_bytes,
+)
 
 __all__ = [
     "CUDA_GRAPHS_DRIVER_BYTES",
@@ -475,6 +481,7 @@ def plan_serve(
     seq_len: int | None = None,
     cuda_graph_batch_sizes: Sequence[int] | None = None,
     sampled_rows: int | None = None,
+    quantize: str = "none",
 ) -> ServePlan:
     """Plan serving `config` on `gpu` (a catalog GPU, its name, or its total memory in bytes,
     e.g. torch.cuda.mem_get_info()[1]): the memory of everything but the KV cache, and the pool
@@ -486,6 +493,9 @@ def plan_serve(
     cuda_graph_batch_sizes: the decode batch sizes captured in CUDA graphs (default
     `default_cuda_graph_batch_sizes(max_running)`; () for none, as the present Engine);
     sampled_rows: rows sampled at once (None: all of a step's rows; the present Engine: 1).
+    quantize: the blocks' linear weights quantized ('int8', 'int4': memfit.nn.quant), counted as
+    stored, plus the largest one dequantized in the dtype (a product of more than
+    memfit.nn.quant.FUSED_MAX_ROWS rows makes that copy for cuBLAS, one layer at a time).
     Never raises for a model that does not fit: see `.fits` and `.check_fits()`.
     """
     name, total = _gpu_memory(gpu)
@@ -525,6 +535,10 @@ def plan_serve(
     driver = CUDA_GRAPHS_DRIVER_BYTES if graph_sizes else 0
     slack = int(FRAGMENTATION * (phases["held"] + pool))
     weights = weight_bytes(config, dtype)
+    if quantize != "none":
+        weights = frozen_model_bytes(config, dtype, quantize) + ELEMENT_BYTES[dtype] * max(
+            linear.in_features * linear.out_features for linear in block_linears(config)
+        )
     per_token = kv_bytes_per_token(config, dtype)
     per_block = per_token * block_size
     budget = int(memory_fraction * total)

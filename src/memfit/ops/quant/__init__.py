@@ -1,7 +1,13 @@
 """Weight quantization: 4-bit NormalFloat with double-quantized scales, int8 per row, and int4
 in groups of input features (asymmetric)."""
 
-from memfit.ops.quant.int4 import INT4_GROUP, dequantize_int4, int4_group, quantize_int4
+from memfit.ops.quant.int4 import (
+    INT4_GROUP,
+    dequantize_int4,
+    int4_group,
+    quantize_int4,
+    unpack_int4,
+)
 from memfit.ops.quant.nf4 import (
     NF4_BLOCK,
     dequantize_int8,
@@ -16,6 +22,7 @@ __all__ = [
     "dequantize_int4",
     "int4_group",
     "quantize_int4",
+    "unpack_int4",
     "NF4_BLOCK",
     "dequantize_int8",
     "dequantize_nf4",

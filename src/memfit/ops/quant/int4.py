@@ -41,8 +41,9 @@ def int4_group(in_features: int, group: int = INT4_GROUP) -> int:
 
 @torch.no_grad()
 def quantize_int4(weight: Tensor, group: int = INT4_GROUP) -> dict[str, Tensor]:
-    """weight (out, in) -> {"packed": uint8 (out, in / 2), "scale": fp32 (out, in / group),
-    "zero": uint8 (out, in / group)}; `group` must divide `in` (`int4_group`)."""
+    """weight (out, in) -> {"packed": int32 (out, in / 8) words (module docstring), "scale":
+    fp32 (out, in / group), "zero": uint8 (out, in / group)}; `group` must divide `in`
+    (`int4_group`)."""
     if weight.ndim != 2:
         raise ValueError(f"quantize a 2-D weight (out, in), got shape {tuple(weight.shape)}")
     out_features, in_features = weight.shape
@@ -57,16 +58,28 @@ def quantize_int4(weight: Tensor, group: int = INT4_GROUP) -> dict[str, Tensor]:
     scale = (high - low) / 15
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = torch.round(-low / safe).clamp(0, 15)
-    q = (torch.round(w / safe[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8)
-    q = q.reshape(out_features, in_features)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    q = (torch.round(w / safe[..., None]) + zero[..., None]).clamp(0, 15).to(torch.int32)
+    # (out, groups, 8, group / 8): [j, c] is feature j * group / 8 + c, nibble j of word c
+    q = q.reshape(out_features, in_features // group, 8, group // 8)
+    words = q[:, :, 0]
+    for j in range(1, 8):
+        words = words | (q[:, :, j] << (4 * j))
+    packed = words.reshape(out_features, in_features // 8).contiguous()
     return {"packed": packed, "scale": scale, "zero": zero.to(torch.uint8)}
+
+
+def unpack_int4(packed: Tensor, groups: int) -> Tensor:
+    """The (out, in) levels 0..15 (int32) of `quantize_int4`'s packed words."""
+    out_features = packed.shape[0]
+    words = packed.reshape(out_features, groups, 1, -1)
+    shifts = 4 * torch.arange(8, device=packed.device, dtype=torch.int32).reshape(1, 1, 8, 1)
+    return ((words >> shifts) & 15).reshape(out_features, -1)
 
 
 def dequantize_int4(state: dict[str, Tensor], dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The (out, in) weight of `quantize_int4`'s state, in `dtype`."""
     packed, scale, zero = state["packed"], state["scale"], state["zero"]
     out_features, groups = scale.shape
-    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(out_features, groups, -1)
+    q = unpack_int4(packed, groups).reshape(out_features, groups, -1)
     w = (q.float() - zero.float()[..., None]) * scale[..., None]
     return w.reshape(out_features, -1).to(dtype)

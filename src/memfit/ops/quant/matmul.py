@@ -55,7 +55,7 @@ from memfit.ops.quant.nf4 import NF4_BLOCK, SCALE_BLOCK, nf4_code
 
 __all__ = ["dequantize", "quant_matmul", "quant_matmul_dx"]
 
-_NF4, _INT8 = 0, 1
+_NF4, _INT8, _INT4 = 0, 1, 2
 
 
 @functools.cache
@@ -65,7 +65,7 @@ def _code(device: torch.device) -> Tensor:
 
 @triton.jit
 def _weight_tile(
-    w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K,
+    w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K, group,
     KIND: tl.constexpr, ALIGNED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DTYPE: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
 ):  # fmt: skip
@@ -80,6 +80,18 @@ def _weight_tile(
         q = tl.load(w_ptr + rows64[:, None] * K + cols[None, :], mask=inside, other=0)
         scale = tl.load(s_ptr + rows, mask=rows_ok, other=0.0)
         w = q.to(tl.float32) * scale[:, None]
+    elif KIND == 2:  # int4, a scale and zero point per group of each row
+        # feature f of group g sits in nibble (f % group) // (group / 8) of word
+        # g * group / 8 + f % (group / 8) (memfit.ops.quant.int4: interleaved in the group)
+        words_per_group = group // 8
+        within = cols % group
+        word = (cols // group) * words_per_group + within % words_per_group
+        shift = (within // words_per_group) * 4
+        packed = tl.load(w_ptr + rows64[:, None] * (K // 8) + word[None, :], mask=inside, other=0)
+        q = ((packed >> shift[None, :]) & 15).to(tl.float32)
+        at = rows64[:, None] * (K // group) + (cols // group)[None, :]
+        zero = tl.load(a_ptr + at, mask=inside, other=0).to(tl.float32)
+        w = (q - zero) * tl.load(s_ptr + at, mask=inside, other=0.0)
     elif ALIGNED:  # NF4, the tile's columns whole blocks of one row
         half = k0 // 2 + tl.arange(0, BK // 2)
         byte_ok = rows_ok[:, None] & (half < K // 2)[None, :]
@@ -131,8 +143,8 @@ def _grouped(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr)
 
 @triton.jit
 def _forward_kernel(
-    x_ptr, y_ptr, b_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, stride_x, stride_y,
-    M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, y_ptr, b_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, group, stride_x,
+    stride_y, M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
@@ -147,7 +159,7 @@ def _forward_kernel(
         cols = k0 + tl.arange(0, BK)
         x = tl.load(x_rows + cols[None, :], mask=rows_ok[:, None] & (cols < K)[None, :], other=0.0)
         w = _weight_tile(
-            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, KIND, ALIGNED, BN, BK,
+            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, group, KIND, ALIGNED, BN, BK,
             x_ptr.dtype.element_ty, ROUND_BF16_BY_HAND,
         )  # fmt: skip
         acc = _dot(w, tl.trans(x), acc, ROUND_BF16_BY_HAND)
@@ -163,8 +175,8 @@ def _forward_kernel(
 
 @triton.jit
 def _dx_kernel(
-    g_ptr, dx_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, stride_g, stride_dx,
-    M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
+    g_ptr, dx_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, group, stride_g,
+    stride_dx, M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """dx[m tile, k tile] = g W over all N."""
@@ -180,7 +192,7 @@ def _dx_kernel(
             g_rows + features[None, :], mask=rows_ok[:, None] & (features < N)[None, :], other=0.0
         )
         w = _weight_tile(
-            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, KIND, ALIGNED, BN, BK,
+            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, group, KIND, ALIGNED, BN, BK,
             g_ptr.dtype.element_ty, ROUND_BF16_BY_HAND,
         )  # fmt: skip
         acc = _dot(g, w, acc, ROUND_BF16_BY_HAND)
@@ -195,7 +207,7 @@ def _dx_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    out_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, N, K,
+    out_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, N, K, group,
     KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
@@ -203,7 +215,7 @@ def _dequantize_kernel(
     k0 = tl.program_id(1) * BK
     cols = k0 + tl.arange(0, BK)
     w = _weight_tile(
-        w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K, KIND, ALIGNED, BN, BK,
+        w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K, group, KIND, ALIGNED, BN, BK,
         out_ptr.dtype.element_ty, ROUND_BF16_BY_HAND,
     )  # fmt: skip
     if ROUND_BF16_BY_HAND:
@@ -215,6 +227,9 @@ def _dequantize_kernel(
 # (BM, BN, BK, warps, stages), BK a multiple of 64 (whole NF4 blocks): the tiles the autotuner
 # chose at llama-3-8b's shapes from a wider sweep on an H200 (results/quant_matmul.json)
 _CONFIGS = [(256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
+# int4 reads each element's word, scale and zero point (9 bytes an element of the tile, staged in
+# shared memory by the pipeliner): tiles and stages that fit an H100's 227 KiB
+_INT4_CONFIGS = [(16, 64, 64, 4, 2), (32, 128, 64, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2)]
 _INTERPRET = dict(BM=16, BN=16, BK=64, GROUP=2)
 
 
@@ -233,25 +248,28 @@ _TUNED = {
     (_forward_kernel, _INT8): _tuned(_forward_kernel, _CONFIGS),
     (_dx_kernel, _NF4): _tuned(_dx_kernel, _CONFIGS),
     (_dx_kernel, _INT8): _tuned(_dx_kernel, _CONFIGS),
+    (_forward_kernel, _INT4): _tuned(_forward_kernel, _INT4_CONFIGS),
+    (_dx_kernel, _INT4): _tuned(_dx_kernel, _INT4_CONFIGS),
 }
 
 
 def _weight_args(
     state: dict[str, Tensor], kind: str, shape: tuple[int, int], device: torch.device
 ) -> tuple:
-    """The kernels' weight pointers (w, s, a, code, mean) and their KIND, ALIGNED, after checking
-    that `state` holds a weight of `shape` on `device`."""
+    """The kernels' weight pointers (w, s, a, code, mean), int4's group (1 otherwise) and their
+    KIND, ALIGNED, after checking that `state` holds a weight of `shape` on `device`."""
     n, k = shape
-    if kind not in ("nf4", "int8"):
-        raise ValueError(f"quantized kind must be 'nf4' or 'int8', got {kind!r}")
+    if kind not in ("nf4", "int8", "int4"):
+        raise ValueError(f"quantized kind must be 'nf4', 'int8' or 'int4', got {kind!r}")
     if kind == "nf4" and "absmax_q" not in state:
         raise ValueError("the NF4 kernels read double-quantized scales (quantize_nf4's default)")
     blocks = -(-n * k // NF4_BLOCK)
-    expected = (
-        {"packed": blocks * NF4_BLOCK // 2, "absmax_q": blocks}
-        if kind == "nf4"
-        else {"q": n * k, "scale": n}
-    )
+    groups = state["scale"].shape[-1] if kind == "int4" and "scale" in state else 1
+    expected = {
+        "nf4": {"packed": blocks * NF4_BLOCK // 2, "absmax_q": blocks},
+        "int8": {"q": n * k, "scale": n},
+        "int4": {"packed": n * k // 8, "scale": n * groups, "zero": n * groups},
+    }[kind]
     for name, numel in expected.items():
         tensor = state.get(name)
         if tensor is None or tensor.numel() != numel or not tensor.is_contiguous():
@@ -264,12 +282,18 @@ def _weight_args(
             raise ValueError(f"the {kind} state is on {tensor.device}, the operand on {device}")
     if kind == "int8":
         scale = state["scale"]
-        return (state["q"], scale, scale, scale, scale), dict(KIND=_INT8, ALIGNED=False)
+        return (state["q"], scale, scale, scale, scale), 1, dict(KIND=_INT8, ALIGNED=False)
+    if kind == "int4":
+        if k % groups or (k // groups) % 16:
+            raise ValueError(f"int4 groups of {k} / {groups} features are not whole words")
+        scale = state["scale"]
+        pointers = (state["packed"], scale, state["zero"], scale, scale)
+        return pointers, k // groups, dict(KIND=_INT4, ALIGNED=False)
     pointers = (
         state["packed"], state["absmax_scale"], state["absmax_q"], _code(device),
         state["absmax_mean"],
     )  # fmt: skip
-    return pointers, dict(KIND=_NF4, ALIGNED=k % NF4_BLOCK == 0)
+    return pointers, 1, dict(KIND=_NF4, ALIGNED=k % NF4_BLOCK == 0)
 
 
 def _check(a: Tensor, features: int, what: str) -> None:
@@ -305,7 +329,7 @@ def quant_matmul(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    pointers, meta = _weight_args(state, kind, shape, x.device)
+    pointers, group, meta = _weight_args(state, kind, shape, x.device)
     if bias is not None and (bias.shape != (n,) or bias.device != x.device or bias.stride(0) != 1):
         raise ValueError(
             f"the bias must be ({n},) contiguous on {x.device}, got {tuple(bias.shape)}"
@@ -313,7 +337,7 @@ def quant_matmul(
     _launch(
         _forward_kernel,
         lambda c: (triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),), x.device,
-        x, y, bias if bias is not None else y, *pointers, m, n, k, x.stride(0), y.stride(0),
+        x, y, bias if bias is not None else y, *pointers, m, n, k, group, x.stride(0), y.stride(0),
         _bucket(m), HAS_BIAS=bias is not None,
         ROUND_BF16_BY_HAND=x.device.type == "cpu" and x.dtype == torch.bfloat16, **meta,
     )  # fmt: skip
@@ -331,11 +355,11 @@ def quant_matmul_dx(
     dx = torch.empty((m, k), dtype=g.dtype, device=g.device)
     if m == 0:
         return dx
-    pointers, meta = _weight_args(state, kind, shape, g.device)
+    pointers, group, meta = _weight_args(state, kind, shape, g.device)
     _launch(
         _dx_kernel,
         lambda c: (triton.cdiv(m, c["BM"]) * triton.cdiv(k, c["BK"]),), g.device,
-        g, dx, *pointers, m, n, k, g.stride(0), dx.stride(0), _bucket(m),
+        g, dx, *pointers, m, n, k, group, g.stride(0), dx.stride(0), _bucket(m),
         ROUND_BF16_BY_HAND=g.device.type == "cpu" and g.dtype == torch.bfloat16, **meta,
     )  # fmt: skip
     return dx
@@ -348,10 +372,10 @@ def dequantize(
     n, k = shape
     device = next(iter(state.values())).device
     out = torch.empty((n, k), dtype=dtype, device=device)
-    pointers, meta = _weight_args(state, kind, shape, device)
+    pointers, group, meta = _weight_args(state, kind, shape, device)
     bn, bk = (16, 64) if device.type == "cpu" else (32, 256)
     launch(
-        _dequantize_kernel, (triton.cdiv(n, bn), triton.cdiv(k, bk)), device, out, *pointers, n, k,
+        _dequantize_kernel, (triton.cdiv(n, bn), triton.cdiv(k, bk)), device, out, *pointers, n, k, group,
         ROUND_BF16_BY_HAND=device.type == "cpu" and dtype == torch.bfloat16, BN=bn, BK=bk,
         num_warps=4, **meta,
     )  # fmt: skip

@@ -1,0 +1,120 @@
+"""The quantized matrix-vector product of a decode step (memfit.ops.quant.gemv) under Triton's
+interpreter, and its GPU twin: y = W x with W held as int8 or int4 is within 2x of the error of
+PyTorch's dequantize-then-matmul in the same precision (both against fp64 on the exact
+dequantized W), on odd shapes and int4's smaller groups; the swiglu and residual folds give the
+values of the separate ops; a quantized layer takes the kernel for one row without a gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfit.nn.quant as quant_module
+from memfit import functional as MF
+from memfit.nn import Linear
+from memfit.nn.quant import QuantLinear
+from memfit.ops.quant.gemv import quant_gemv
+from tests.ops.paths import kernels_on_cpu
+from tests.ops.test_quant_matmul import exact_weight, quantized, reference_weight
+from tests.reference import assert_error_within
+
+pytest.importorskip("triton")
+
+# (N, K): odd rows; int4 groups of 128, 64 (192), 16 (80); int8 K odd, not a multiple of its tile
+SHAPES = {
+    "int4": [(37, 256), (21, 192), (19, 80)],
+    "int8": [(37, 100), (19, 261), (5, 1024)],
+}
+CASES = [(kind, shape) for kind, shapes in SHAPES.items() for shape in shapes]
+
+
+def check_gemv(kind, n, k, dtype, device, floor):
+    state = quantized(kind, n, k, device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1, k, generator=gen).to(device=device, dtype=dtype)
+    bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
+    exact = exact_weight(state, kind, (n, k))
+    weight = reference_weight(state, kind, (n, k), dtype)
+    for b in (None, bias):
+        y = quant_gemv(x, state, kind, (n, k), b)
+        assert y.dtype == dtype and y.shape == (1, 1, n)
+        baseline = F.linear(x, weight, b)
+        expected = x.double() @ exact.T + (b.double() if b is not None else 0)
+        assert_error_within(y, baseline, expected, name=f"{kind} gemv {n}x{k}", floor=floor)
+
+
+@pytest.mark.parametrize("kind,shape", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_quantized_gemv_is_as_exact_as_pytorchs(monkeypatch, kind, shape, dtype):
+    kernels_on_cpu(monkeypatch)
+    floor = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+    check_gemv(kind, *shape, dtype, "cpu", floor)
+
+
+def check_folds(kind, n, k, device):
+    """swiglu and residual folded in: the separate ops' values on the kernel's product."""
+    state = quantized(kind, 2 * n, k, device)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    residual = torch.randn(1, n, generator=gen).to(device=device, dtype=torch.bfloat16)
+    product = quant_gemv(x, state, kind, (2 * n, k))
+    fused = quant_gemv(x, state, kind, (2 * n, k), swiglu=True, residual=residual)
+    expected = residual + MF.swiglu(product)
+    # one rounding apart where the sum cancels: half an ulp of the addends
+    atol = 2.0**-8 * max(residual.abs().max().item(), MF.swiglu(product).abs().max().item())
+    torch.testing.assert_close(fused, expected, atol=atol, rtol=2.0**-7)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_swiglu_and_residual_folds_match_the_separate_ops(monkeypatch, kind):
+    kernels_on_cpu(monkeypatch)
+    check_folds(kind, 24, 192, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_layer_takes_the_gemv_for_one_row(monkeypatch, kind):
+    kernels_on_cpu(monkeypatch)
+    calls = []
+    monkeypatch.setattr(
+        quant_module, "quant_gemv", lambda *a, **kw: calls.append(1) or quant_gemv(*a, **kw)
+    )
+    layer = QuantLinear(Linear(128, 48, bias=True), kind, torch.bfloat16)
+    x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    residual = torch.randn(1, 1, 24, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x, swiglu=True, residual=residual)
+    assert calls == [1]
+    reference = residual + MF.swiglu(F.linear(x, layer.quant.dequantize(), layer.bias))
+    torch.testing.assert_close(y, reference, atol=0.05, rtol=0.02)
+    # a row that needs its gradient, or several rows, take the autograd / matmul path
+    x.requires_grad_(True)
+    layer(x)
+    layer(torch.randn(2, 128, dtype=torch.bfloat16))
+    assert calls == [1]
+
+
+def test_bad_inputs_say_what_is_wrong(monkeypatch):
+    kernels_on_cpu(monkeypatch)
+    state = quantized("int4", 8, 64)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="int8 or int4 weights"):
+        quant_gemv(x, quantized("nf4", 8, 64), "nf4", (8, 64))
+    with pytest.raises(ValueError, match="one row of 64 features"):
+        quant_gemv(torch.randn(2, 64, dtype=torch.bfloat16), state, "int4", (8, 64))
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        quant_gemv(x.float(), state, "int4", (8, 64))
+    with pytest.raises(ValueError, match="even number of rows"):
+        quant_gemv(x, quantized("int4", 7, 64), "int4", (7, 64), swiglu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "kind,shape",
+    [
+        ("int4", (6144, 4096)), ("int4", (4096, 14336)), ("int4", (1000, 576)), ("int4", (37, 80)),
+        ("int8", (6144, 4096)), ("int8", (4096, 14336)), ("int8", (1000, 101)),
+    ],
+)  # fmt: skip
+def test_the_quantized_gemv_on_cuda(kind, shape):
+    check_gemv(kind, *shape, torch.bfloat16, "cuda", 1e-6)
+    check_folds(kind, shape[0] // 2, shape[1], "cuda")
