@@ -1047,6 +1047,51 @@ def sparse_decode_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def quant_decode_table(run: dict) -> str:
+    """benchmarks/quant_decode.py: quantized GEMV kernels and batch-1 decode against bf16."""
+    lines = [
+        _env_line(run, f"device-to-device copy {run['copy_tb_s']:.2f} TB/s."),
+        "",
+        f"Kernel launch configurations (int8 / int4): {run['config']['int8']} / "
+        f"{run['config']['int4']}.",
+        "",
+    ]
+    if run.get("kernels"):
+        lines += [
+            "One token times each linear layer of a block, replayed from a CUDA graph with cold "
+            "weights; microseconds (bandwidth reading the weight's bytes):",
+            "",
+            "| model | layer | N x K | cuBLAS bf16 | memfit bf16 | memfit int8 | memfit int4 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in run["kernels"]:
+            cells = [
+                f"{r[f'{name}_us']:.1f} ({r[f'{name}_tb_s']:.2f} TB/s)"
+                for name in ("cublas", "memfit_bf16", "int8", "int4")
+            ]
+            lines.append(
+                f"| {r['model']} | {r['layer']} | {r['n']} x {r['k']} | " + " | ".join(cells) + " |"
+            )
+        lines.append("")
+    if run.get("batch1"):
+        lines += [
+            "Batch-1 decode, one prompt of 128 tokens, 256 new tokens (random weights; the "
+            "embedding and output head in bf16):",
+            "",
+            "| model | weights | model (GiB) | tokens/s | ms/token | bandwidth limit (ms) | "
+            "of limit | vs bf16 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in run["batch1"]:
+            lines.append(
+                f"| {r['model']} | {r['weights']} | {r['model_bytes'] / 2**30:.2f} | "
+                f"{r['tokens_per_s']:.1f} | {r['ms_per_token']:.3f} | "
+                f"{r['limit_ms_per_token']:.3f} | {r['of_limit']:.0%} | "
+                f"{r['speedup_vs_bf16']:.2f}x |"
+            )
+    return "\n".join(lines).rstrip()
+
+
 def _with_flex(run: dict) -> bool:
     return any(r["system"] == "flex" for r in run.get("records", []))
 
@@ -1120,6 +1165,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     ),
     "sparse_train": ("sparse_attention_train", sparse_train_table, _has("records"), True),
     "sparse_decode": ("sparse_decode", sparse_decode_table, _has("records"), True),
+    "quant_decode": ("quant_decode", quant_decode_table, _has("batch1"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

@@ -95,3 +95,26 @@ def test_warm_up_leaves_a_clean_engine(tmp_path):
     assert llm.cache.pool.num_free == llm.cache.pool.num_blocks
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.request_id == 0 and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_weights_load_block_by_block_and_generate(tmp_path, kind):
+    """LLM(quantize=...) holds every block's linear layers quantized (the embedding and the head
+    as they were) and generates the greedy tokens of the same model with those weights
+    dequantized."""
+    from memfit.nn.quant import QuantLinear, dequantize_model
+
+    _save_transformers_model(tmp_path, "llama")
+    llm = LLM(tmp_path, device="cpu", dtype="fp32", quantize=kind)
+    layers = [m for m in llm.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * len(llm.model.layers)  # qkv, out, gate_up, down
+    assert all(layer.quant.kind == kind for layer in layers)
+    prompts = [[5, 17, 3], list(range(20, 31))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    quantized = [out.token_ids for out in llm.generate(prompts, params, progress=False)]
+    reference = LLM(tmp_path, device="cpu", dtype="fp32")
+    reference.model = dequantize_model(llm.model)
+    reference.engine.model = reference.model
+    assert [o.token_ids for o in reference.generate(prompts, params, progress=False)] == quantized
+    with pytest.raises(ValueError, match="'int8' or 'int4'"):
+        LLM(tmp_path, device="cpu", quantize="int3")

@@ -138,13 +138,19 @@ def test_adapter_count_is_apply_loras(model, targets):
     assert adapter_params(PRESETS[model], strategy) == trainable
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
-@pytest.mark.parametrize("shape", [(97, 130), (64, 256), (1, 63)])
+@pytest.mark.parametrize(
+    "kind,shape",
+    [(k, s) for k in ("nf4", "int8") for s in ((97, 130), (64, 256), (1, 63))]
+    + [("int4", s) for s in ((97, 256), (64, 576), (3, 80))],
+)
 def test_quantized_bytes_are_the_stored_state(kind, shape):
-    from memfit.ops.quant import quantize_int8, quantize_nf4
+    from memfit.ops.quant import int4_group, quantize_int4, quantize_int8, quantize_nf4
 
     weight = torch.randn(*shape)
-    state = quantize_nf4(weight) if kind == "nf4" else quantize_int8(weight)
+    if kind == "int4":
+        state = quantize_int4(weight, int4_group(shape[1]))
+    else:
+        state = quantize_nf4(weight) if kind == "nf4" else quantize_int8(weight)
     stored = sum(_allocated(t.numel() * t.element_size()) for t in state.values())
     assert quantized_weight_bytes(*shape, kind) == stored
 

@@ -80,6 +80,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     llm = LLM(
         args.model, device=device, memory_fraction=args.gpu_memory_fraction,
         block_size=args.block_size, max_seq_len=args.max_model_len, tokenizer=tokenizer,
+        quantize=args.quantize,
     )  # fmt: skip
     params = [sampling_params(args, args.seed + number) for number in range(len(texts))]
     outputs = llm.generate(texts, params, progress=bool(args.prompts))

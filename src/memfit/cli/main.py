@@ -200,6 +200,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
     p.add_argument("--tokenizer", help="override the tokenizer recorded in the checkpoint")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="weight-only quantization of the blocks' linear layers at load: int8 per output "
+        "channel, int4 in groups of 128 (the embedding and output head stay in bf16)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=_cmd_generate)
@@ -228,6 +234,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="on CUDA: the share of GPU memory for the weights, activations and the KV pool",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="weight-only quantization of the blocks' linear layers at load: int8 per output "
+        "channel, int4 in groups of 128 (the embedding and output head stay in bf16)",
+    )
     p.add_argument("--max-running", type=int, default=256, help="sequences decoded together")
     p.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests before new ones get 429"

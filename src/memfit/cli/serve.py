@@ -53,7 +53,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         "device": str(device), "memory_fraction": args.gpu_memory_fraction,
         "block_size": args.block_size, "max_seq_len": args.max_model_len,
         "max_running": args.max_running, "max_step_tokens": args.max_step_tokens,
-        "prefix_caching": not args.no_prefix_caching,
+        "prefix_caching": not args.no_prefix_caching, "quantize": args.quantize,
     }  # fmt: skip
     engine_options = {"max_waiting": args.max_waiting, "stream_interval": args.stream_interval}
     servers = args.api_servers

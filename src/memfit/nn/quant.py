@@ -18,7 +18,11 @@ benchmarks/results/quant_matmul.json) that is faster for NF4 at every row count 
 (llama-3-8b's gate_up, 2048 rows: 0.7 ms against 10 ms fused; the kernel's per-element code
 lookup is a gather, which Triton pipelines through shared memory) and for int8 above 16 rows (at
 8192 rows cuBLAS runs at 700-800 TFLOP/s, the fused int8 kernel at 410-440). Elsewhere (CPU,
-fp32) W is dequantized in PyTorch for each product, as int4 weights are everywhere for now.
+fp32) W is dequantized in PyTorch for each product.
+
+A decode step's one row (inference: no gradient) over int8 or int4 weights takes the quantized
+matrix-vector kernel (memfit.ops.quant.gemv), with `QuantLinear`'s swiglu / residual folded in as
+`memfit.nn.Linear` folds them into the bf16 one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Matrix products with a quantized weight, the weight dequantized inside the kernel (QLoRA's base).
 
-For x (M, K), a frozen weight W (N, K) held as NF4 with double-quantized scales or as int8 per row
-(`memfit.ops.quant.nf4`), and the gradient g (M, N) of the output:
+For x (M, K), a frozen weight W (N, K) held as NF4 with double-quantized scales, as int8 per row
+(`memfit.ops.quant.nf4`) or as int4 in groups (`memfit.ops.quant.int4`), and the gradient g
+(M, N) of the output:
 
     quant_matmul(x, W)      y  = x W^T (+ b)     (M, N)    the forward
     quant_matmul_dx(g, W)   dx = g W             (M, K)    the input's gradient in the backward
@@ -14,7 +15,8 @@ these kernels is memfit.nn.quant's choice, by measurement: see Speed below.)
 Dequantizing a (BN, BK) tile: NF4 reads BK / 2 bytes a row, two codes a byte (the first in the
 high nibble), looks each code up in the 16 levels, and multiplies by its block's absmax,
 itself q * scale + mean (one int8 per 64 weights, one fp32 scale per 256 blocks); int8 multiplies
-q by its row's scale. The tile is rounded to the compute dtype, so the values multiplied are
+q by its row's scale; int4 reads each element's word (eight levels a word, interleaved in the
+group), shifts its level out and takes (q - zero) * scale of its group. The tile is rounded to the compute dtype, so the values multiplied are
 those `dequantize_nf4` / `dequantize_int8` return (on the GPU up to the rounding of an absmax
 whose q * scale + mean the compiler fuses into one multiply-add), and the products and sums are
 fp32 as in a bf16 GEMM: the result equals dequantize-then-matmul up to the order of the sums.
