@@ -118,3 +118,53 @@ def test_quantized_weights_load_block_by_block_and_generate(tmp_path, kind):
     assert [o.token_ids for o in reference.generate(prompts, params, progress=False)] == quantized
     with pytest.raises(ValueError, match="'int8' or 'int4'"):
         LLM(tmp_path, device="cpu", quantize="int3")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_checkpoint_round_trips(tmp_path, capsys, kind):
+    """`memfit export --quantize` writes the quantized weights with their scales (and the
+    tokenizer); LLM loads them as stored and generates the tokens of quantizing at load;
+    asking the checkpoint for another kind says which it holds."""
+    from safetensors import safe_open
+
+    from memfit.cli.main import main
+    from memfit.nn.quant import QuantLinear
+
+    source, out = tmp_path / "hf", tmp_path / "quantized"
+    _save_transformers_model(source, "llama")
+    _write_tokenizer(source)
+    assert (
+        main(["export", str(source), "--quantize", kind, "--dtype", "fp32", "--out", str(out)]) == 0
+    )
+    assert (out / "tokenizer.json").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["kind"] == kind
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    stored = "quant.q" if kind == "int8" else "quant.packed"
+    assert f"layers.0.mlp.down.{stored}" in names and "layers.0.mlp.down.quant.scale" in names
+
+    loaded = LLM(out, device="cpu", dtype="fp32")
+    assert loaded.quantize == kind
+    assert all(
+        layer.quant.kind == kind
+        for layer in loaded.model.modules()
+        if isinstance(layer, QuantLinear)
+    )
+    at_load = LLM(source, device="cpu", dtype="fp32", quantize=kind)
+    prompts = ["w5 w6 w7", [5, 17, 3, 9]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in loaded.generate(prompts, params, progress=False)] == [
+        o.token_ids for o in at_load.generate(prompts, params, progress=False)
+    ]
+    other = "int4" if kind == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"holds {kind}-quantized weights"):
+        LLM(out, device="cpu", quantize=other)
+    assert main(["export", str(source), "--quantize", kind, "--out", str(out)]) != 0
+    assert main(["export", str(out), "--quantize", kind, "--out", str(tmp_path / "x")]) != 0
+    assert f"already holds {kind}-quantized weights" in capsys.readouterr().err
+    # a config that does not describe the tensors: what is missing, before anything is read
+    config["quantization_config"]["kind"] = other
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"does not hold this {other} model's tensors; missing"):
+        LLM(out, device="cpu")

@@ -25,26 +25,19 @@ _BASE_FILES = (
 )  # fmt: skip
 
 
-def run_export(path: str, out: str, dtype: str, console: Console) -> int:
+def run_export(
+    path: str, out: str, dtype: str, console: Console, quantize: str | None = None,
+    device: str = "cpu",
+) -> int:  # fmt: skip
     destination = Path(out)
     if destination.exists() and any(destination.iterdir()):
         raise ValueError(f"--out {out!r} exists and is not empty; export into a new directory")
+    if quantize is not None:
+        return _export_quantized(path, destination, dtype, quantize, device, console)
     model, info = load_pretrained(path, device="cpu", dtype=_DTYPES[dtype])
     if info.format != "memfit":
         raise ValueError(f"{path!r} is already a Hugging Face checkpoint; nothing to export")
-    run = _run_config(info.path)
-    base, recorded = _base_directory(run)
-    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
-    hf_config = to_hf_config(info.config, name)
-    generation = info.generation
-    if generation.eos_token_ids:
-        eos = list(generation.eos_token_ids)
-        hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    if generation.bos_token_id is not None:
-        hf_config["bos_token_id"] = generation.bos_token_id
-    if base is not None:  # the base's own config: its token ids, model type and extras
-        hf_config = json.loads((base / "config.json").read_text())
-    hf_config |= {"torch_dtype": name, "dtype": name}  # (transformers 4 and 5 read one each)
+    hf_config, base, recorded, run = _exported_config(info, dtype)
     weights = get_family(info.config.family).to_hf_state_dict(model)
     from safetensors.torch import save_file
 
@@ -83,6 +76,62 @@ def run_export(path: str, out: str, dtype: str, console: Console) -> int:
             "a Hugging Face checkpoint here: its tokenizer and config extras were not copied",
             highlight=False,
         )
+    return 0
+
+
+def _exported_config(info, dtype: str) -> tuple[dict, Path | None, str, dict]:
+    """A memfit checkpoint's Hugging Face config.json in `dtype` (its base's, where the run
+    started from a Hugging Face checkpoint still here), the base, the name the run recorded
+    and the run's config."""
+    run = _run_config(info.path)
+    base, recorded = _base_directory(run)
+    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    hf_config = to_hf_config(info.config, name)
+    generation = info.generation
+    if generation.eos_token_ids:
+        eos = list(generation.eos_token_ids)
+        hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if generation.bos_token_id is not None:
+        hf_config["bos_token_id"] = generation.bos_token_id
+    if base is not None:  # the base's own config: its token ids, model type and extras
+        hf_config = json.loads((base / "config.json").read_text())
+    hf_config |= {"torch_dtype": name, "dtype": name}  # (transformers 4 and 5 read one each)
+    return hf_config, base, recorded, run
+
+
+def _export_quantized(
+    path: str, destination: Path, dtype: str, kind: str, device: str, console: Console
+) -> int:
+    """A Hugging Face checkpoint or memfit run with its blocks' linear weights quantized
+    (memfit.models.quantized), each block quantized as soon as it is read."""
+    from memfit.models.quantized import save_quantized, stored_quantization
+    from memfit.nn.quant import quantize_model
+
+    if (held := stored_quantization(path)) is not None:
+        raise ValueError(f"{path!r} already holds {held}-quantized weights")
+    torch_dtype = _DTYPES[dtype]
+
+    def on_block(model, index: int) -> None:
+        quantize_model(model, kind, dtype=torch_dtype, blocks=[index])
+
+    model, info = load_pretrained(path, device=device, dtype=torch_dtype, on_block=on_block)
+    quantize_model(model, kind, dtype=torch_dtype)  # (what on_block did not: a memfit run)
+    if info.format == "memfit":
+        hf_config, base, _, run = _exported_config(info, dtype)
+        files_from = base
+        tokenizer = _run_tokenizer(run)
+    else:
+        hf_config = json.loads((Path(info.path) / "config.json").read_text())
+        files_from, tokenizer = Path(info.path), None
+    save_quantized(model, destination, hf_config, files_from=files_from, extra_files=_BASE_FILES)
+    if tokenizer is not None and not (destination / "tokenizer.json").exists():
+        shutil.copy2(tokenizer, destination / "tokenizer.json")
+    size = (destination / "model.safetensors").stat().st_size
+    console.print(
+        f"exported [cyan]{escape(str(info.path))}[/] with its blocks' linear weights in {kind} "
+        f"to [cyan]{escape(str(destination))}[/]: {size / 2**30:.2f} GiB",
+        highlight=False,
+    )
     return 0
 
 

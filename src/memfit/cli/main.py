@@ -284,12 +284,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def _export_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="a run or checkpoint as a Hugging Face checkpoint (LoRA adapters merged)",
+        help="a run or checkpoint as a Hugging Face checkpoint (LoRA adapters merged), or any "
+        "checkpoint quantized (--quantize)",
         description="Write a memfit run (its newest complete checkpoint) or checkpoint as a "
         "Hugging Face checkpoint directory that transformers and vLLM load. A LoRA run's "
-        "adapters are merged into the weights; RUN/adapter holds them alone, in peft's format.",
+        "adapters are merged into the weights; RUN/adapter holds them alone, in peft's format. "
+        "With --quantize, a run or a Hugging Face checkpoint is written with its blocks' linear "
+        "weights in int8 or int4, which memfit generate / serve / LLM load as stored.",
     )
-    p.add_argument("path", metavar="RUN", help="a memfit run directory or checkpoint")
+    p.add_argument(
+        "path", metavar="RUN", help="a memfit run directory or checkpoint (or, with --quantize, "
+        "a Hugging Face checkpoint directory)",
+    )  # fmt: skip
     p.add_argument("--out", required=True, help="the directory to write (new or empty)")
     p.add_argument(
         "--merge",
@@ -297,13 +303,22 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
         help="merge LoRA adapters into the weights (what export always does for a LoRA run)",
     )
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="write the blocks' linear weights quantized (int8 per channel, int4 in groups of "
+        "128), quantized once here instead of at each load",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="where to quantize with --quantize (cuda is faster)"
+    )
     p.set_defaults(handler=_cmd_export)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from memfit.cli.export import run_export
 
-    return run_export(args.path, args.out, args.dtype, console)
+    return run_export(args.path, args.out, args.dtype, console, args.quantize, args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -97,6 +97,16 @@ def _load(
             f"({', '.join(PRESETS)})"
         )
     from memfit.models.loading import load_pretrained
+    from memfit.models.quantized import stored_quantization
+
+    stored = stored_quantization(path)
+    if stored is not None and quantize not in (None, stored):
+        raise ValueError(
+            f"{str(path)!r} holds {stored}-quantized weights; load it with quantize={stored!r} "
+            f"(--quantize {stored}) or none, not {quantize!r}"
+        )
+    if stored is not None:  # quantized as stored
+        quantize = None
 
     loaded, info = load_pretrained(
         path, device=device, dtype=dtype, on_block=on_block if quantize else None
@@ -176,7 +186,9 @@ class LLM(Texts):
         tokens than the model has embeddings. quantize: 'int8' (per output channel) or 'int4'
         (groups of 128 input features, asymmetric) weight-only quantization of the blocks' linear
         layers at load (memfit.nn.quant; the embedding and the output head stay in `dtype`):
-        a decode step reads half or about a quarter of the bytes."""
+        a decode step reads half or about a quarter of the bytes. A quantized checkpoint
+        (memfit.models.quantized, `memfit export --quantize`) loads as it is stored; asking it
+        for another kind is an error."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         for name, value in (
@@ -196,8 +208,9 @@ class LLM(Texts):
         torch_dtype = _DTYPES[dtype]
         if quantize not in (None, "int8", "int4"):
             raise ValueError(f"quantize must be 'int8' or 'int4' (or None), got {quantize!r}")
-        self.quantize = quantize
         self.model, info = _load(model, self.device, torch_dtype, seed, quantize)
+        # (a quantized checkpoint: the kind it holds)
+        self.quantize = getattr(info, "quantize", None) or quantize
         super().__init__(tokenizer or getattr(info, "tokenizer", None), info)
         self.config = self.model.config
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.config.vocab_size:

@@ -23,7 +23,8 @@ forward from the token positions (`Llama.forward`), so nothing is left to initia
 step 3. A family that adds non-persistent buffers (which no checkpoint holds) must make them
 here; `_check_materialized` refuses a model with a meta tensor left rather than return it.
 Only safetensors are read: pickled `.bin` files can run code when loaded. Quantized weights
-are refused.
+are refused, except memfit's own int8/int4 checkpoints (memfit.models.quantized), which are
+read as stored.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from safetensors import safe_open
 
 from memfit.models.config import ModelConfig, from_hf_config
+from memfit.models.quantized import load_quantized_weights, quantization_of
 
 if TYPE_CHECKING:
     from memfit.train.data import Tokenizer
@@ -139,6 +141,8 @@ class PretrainedInfo:
     lora: Any = None
     """The memfit.nn.lora.LoRASpec a memfit LoRA run trained with (its adapters are merged
     into the weights returned), else None."""
+    quantize: str | None = None
+    """'int8' or 'int4' for a quantized checkpoint (memfit.models.quantized), else None."""
 
 
 def load_pretrained(
@@ -273,8 +277,9 @@ def _load_huggingface(
     if config_changes:
         config = dataclasses.replace(config, **config_changes)
     hf_config = json.loads((directory / "config.json").read_text())
-    _check_causal_lm(hf_config, directory)
-    files = _safetensors_files(directory)
+    quantization = quantization_of(hf_config)
+    _check_causal_lm(hf_config, directory, quantized=quantization is not None)
+    files = [] if quantization else _safetensors_files(directory)
     generation, tokenizer, chat_template = _read_generation_and_tokenizer(directory, hf_config)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
@@ -283,6 +288,19 @@ def _load_huggingface(
         )
     model, backend = _meta_model(config, device, dtype, attention)
     family = get_family(config.family)
+    if quantization is not None:  # memfit's own quantized checkpoint (memfit.models.quantized)
+        if prepare is not None:
+            raise ValueError(
+                f"{str(directory)!r} holds {quantization.get('kind')}-quantized weights, which "
+                "load for inference only; train (LoRA, QLoRA) from a float checkpoint"
+            )
+        load_quantized_weights(model, directory, quantization, device, dtype)
+        _check_materialized(model)
+        return model.eval(), PretrainedInfo(
+            path=directory, format="huggingface", config=config, dtype=dtype, attention=backend,
+            generation=generation, tokenizer=tokenizer, chat_template=chat_template,
+            quantize=quantization["kind"],
+        )  # fmt: skip
     layout = family.hf_layout(model)
     if prepare is not None:
         prepare(model)
@@ -310,7 +328,7 @@ def _load_huggingface(
     return model, info
 
 
-def _check_causal_lm(hf_config: dict[str, Any], directory: Path) -> None:
+def _check_causal_lm(hf_config: dict[str, Any], directory: Path, quantized: bool = False) -> None:
     """from_hf_config checks the model_type; a classifier or reward model shares it but not the
     output layer, and quantized weights are no float tensors to cast."""
     architectures = hf_config.get("architectures") or []
@@ -321,11 +339,12 @@ def _check_causal_lm(hf_config: dict[str, Any], directory: Path) -> None:
             "Qwen2ForCausalLM)"
         )
     quantization = hf_config.get("quantization_config")
-    if quantization:
+    if quantization and not quantized:
         raise ValueError(
             f"{str(directory)!r} holds quantized weights "
             f"({quantization.get('quant_method', 'unknown method')}); memfit loads float "
-            "weights (fp32, fp16, bf16) only"
+            "weights (fp32, fp16, bf16) and its own int8/int4 checkpoints (memfit export "
+            "--quantize) only"
         )
 
 
