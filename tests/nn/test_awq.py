@@ -36,7 +36,7 @@ def test_awq_keeps_the_model_and_lowers_the_int4_error():
     held_out = torch.randint(0, 96, (2, 40), generator=g)
     reference = model(held_out)
     plain = copy.deepcopy(model)
-    report = awq_scale(model, calibration, "int4", group=32)
+    report = awq_scale(model, calibration, "int4", group=32, clip=False)
     torch.testing.assert_close(model(held_out), reference, rtol=1e-4, atol=1e-4)
     assert len(report) == 2 * 4
     assert all(layer.error <= layer.error_rtn for layer in report)
@@ -46,3 +46,22 @@ def test_awq_keeps_the_model_and_lowers_the_int4_error():
     awq_error = (model(held_out) - reference).pow(2).mean()
     rtn_error = (plain(held_out) - reference).pow(2).mean()
     assert awq_error < rtn_error
+
+
+@torch.no_grad()
+def test_clipping_each_groups_range_lowers_the_int4_error_further():
+    g = torch.Generator().manual_seed(2)
+    calibration = torch.randint(0, 96, (2, 48), generator=g)
+    held_out = torch.randint(0, 96, (4, 40), generator=g)
+    scaled, clipped = tiny_model(), tiny_model()
+    reference = scaled(held_out)
+    awq_scale(scaled, calibration, "int4", group=32, clip=False)
+    before = [p.clone() for p in scaled.parameters()]
+    awq_scale(clipped, calibration, "int4", group=32)
+    for kept, changed in zip(before, clipped.parameters(), strict=True):
+        assert changed.abs().max() <= kept.abs().max() + 1e-6  # ranges only shrink
+    for model in (scaled, clipped):
+        quantize_model(model, "int4", dtype=torch.float32, group=32)
+    assert (clipped(held_out) - reference).pow(2).mean() < (scaled(held_out) - reference).pow(
+        2
+    ).mean()

@@ -15,6 +15,13 @@ The inputs' 1/s is folded into what produces them, so nothing runs at inference:
                    shared by the query heads that read it
 
     report = awq_scale(model, calibration_ids, "int4")   # then quantize_model(model, "int4", ...)
+
+Then, for int4, each group's range is clipped (AWQ's second step): per output row and group the
+range [min, max] is shrunk by the ratio r in CLIP_GRID that minimizes the error of that group's
+share of the output on the calibration inputs (sum over its features of x * (w - Q(w)), squared),
+and the weights are clamped to it in place: round to nearest then spends its 16 levels on the
+range that matters instead of on a rare outlier. (Clamping leaves the min and max at the clipped
+values, so quantize_int4 finds exactly that range.)
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ import torch
 from torch import Tensor
 
 from memfit.nn.quant import QuantizedWeight
-from memfit.ops.quant import INT4_GROUP
+from memfit.ops.quant import INT4_GROUP, dequantize_int4, int4_group, quantize_int4
 
 GRID = 20  # alpha in 0, 1/GRID, ..., 1
 ROWS = 256  # calibration inputs kept per layer for the error search
+CLIP_GRID = [1.0 - step / 40 for step in range(21)]  # the range kept: 1, 0.975, ..., 0.5
 
 
 @dataclass
@@ -44,11 +52,17 @@ class LayerScale:
 
 @torch.no_grad()
 def awq_scale(
-    model: torch.nn.Module, calibration: Tensor, kind: str = "int4", *, group: int = INT4_GROUP
+    model: torch.nn.Module,
+    calibration: Tensor,
+    kind: str = "int4",
+    *,
+    group: int = INT4_GROUP,
+    clip: bool = True,
 ) -> list[LayerScale]:
     """Scale every block's qkv, out, gate_up and down in place for `kind` quantization
     (module docstring), from the inputs they see on `calibration` (batch, tokens) token ids.
-    The model computes the same before quantization; quantize it after (quantize_model)."""
+    The model computes the same before quantization, up to int4's clipping of each group's
+    range (module docstring; `clip=False`: no clipping); quantize it after (quantize_model)."""
     captured: dict[torch.nn.Module, list] = {}
 
     def keep(module, args):
@@ -97,7 +111,33 @@ def awq_scale(
         out.weight.mul_(s_out.to(out.weight.dtype)[None, :])
         _divide_rows(gate_up, slice(ffn, 2 * ffn), s_down)
         down.weight.mul_(s_down.to(down.weight.dtype)[None, :])
+        if kind == "int4" and clip:
+            for linear, scale in zip((qkv, out, gate_up, down), scales, strict=True):
+                x = torch.cat(captured[linear][2]) / scale[None, :]  # the inputs, scaled
+                _clip(linear.weight, x, int4_group(linear.weight.shape[1], group))
     return report
+
+
+def _clip(weight: Tensor, x: Tensor, group: int) -> None:
+    """Clamp each (row, group) of `weight` in place to its range shrunk by the CLIP_GRID ratio
+    whose round to nearest errs least on the group's share of the output for inputs `x`."""
+    rows, features = weight.shape
+    w = weight.float().reshape(rows, features // group, group)
+    xg = x.float().reshape(x.shape[0], features // group, group)
+    low, high = w.amin(2, keepdim=True).clamp(max=0.0), w.amax(2, keepdim=True).clamp(min=0.0)
+    best_error = torch.full((rows, features // group), float("inf"))
+    best_ratio = torch.ones(rows, features // group)
+    for ratio in CLIP_GRID:
+        clipped = torch.minimum(torch.maximum(w, low * ratio), high * ratio)
+        state = quantize_int4(clipped.reshape(rows, features), group)
+        diff = (w - dequantize_int4(state, torch.float32).reshape(w.shape)).to(xg.dtype)
+        error = torch.einsum("tgk,ngk->tng", xg, diff).pow(2).mean(0)  # (rows, groups)
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_ratio = torch.where(better, torch.tensor(ratio), best_ratio)
+    ratio = best_ratio[..., None]
+    clipped = torch.minimum(torch.maximum(w, low * ratio), high * ratio)
+    weight.copy_(clipped.reshape(rows, features).to(weight.dtype))
 
 
 def _layer_scale(
