@@ -128,11 +128,23 @@ def _gemv_kernel(
         if SWIGLU:
             u = _load_w(u_rows + cols[None, :], rows_ok, cols_ok, EVEN_K)
             acc_up += u.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
+    _finish(
+        tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), b_ptr, r_ptr, y_ptr, rows, rows_ok, N,
+        HAS_BIAS, RESIDUAL, SWIGLU, ROUND_BF16_BY_HAND,
+    )  # fmt: skip
+
+
+@triton.jit
+def _finish(
+    y, up, b_ptr, r_ptr, y_ptr, rows, rows_ok, N, HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
+):  # fmt: skip
+    """A one-row product's end (also memfit.ops.quant.gemv's): y (and up, with SWIGLU) the fp32
+    sums of the program's rows (of each half); the bias, silu(gate) * up, the residual, one
+    rounding and the store."""
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
     if SWIGLU:  # each half rounds as the product's output would, then silu(gate) * up
-        up = tl.sum(acc_up, axis=1)
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rows, mask=rows_ok, other=0.0).to(tl.float32)
         gate = _round(y, y_ptr.dtype.element_ty, ROUND_BF16_BY_HAND)

@@ -35,15 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from memfit.ops._triton import (
-    gdc_launch_dependents,
-    gdc_wait,
-    launch,
-    pdl_enabled,
-    round_to_bf16,
-    tl,
-    triton,
-)
+from memfit.ops._triton import gdc_launch_dependents, gdc_wait, launch, pdl_enabled, tl, triton
+from memfit.ops.gemv import _finish
 
 __all__ = ["quant_gemv", "gemv_supported"]
 
@@ -52,14 +45,6 @@ __all__ = ["quant_gemv", "gemv_supported"]
 # (results/quant_decode.json): int8 94.6 us, int4 82.2 us, against 155 us for bf16.
 CONFIG = {"int8": (1, 1024, 4, 3), "int4": (8, 8, 8, 3)}
 _INTERPRET = {"int8": (4, 32, 1, 1), "int4": (4, 2, 1, 1)}
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr):
-    """x (fp32) rounded to DTYPE and back to fp32."""
-    if ROUND_BF16_BY_HAND:  # the interpreter's cast truncates
-        return round_to_bf16(x).to(tl.float32)
-    return x.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -191,24 +176,16 @@ def _quant_gemv_kernel(
         x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS, BLOCK_N,
         BLOCK_K, WORDS, EVEN,
     )  # fmt: skip
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
-    if SWIGLU:  # each half rounds as the product's output would, then silu(gate) * up
+    up = y
+    if SWIGLU:
         up = _rows(
             x_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows_ok, K, words_per_row, groups, BITS,
             BLOCK_N, BLOCK_K, WORDS, EVEN,
         )  # fmt: skip
-        if HAS_BIAS:
-            up += tl.load(b_ptr + up_rows + rows, mask=rows_ok, other=0.0).to(tl.float32)
-        gate = _round(y, y_ptr.dtype.element_ty, ROUND_BF16_BY_HAND)
-        up = _round(up, y_ptr.dtype.element_ty, ROUND_BF16_BY_HAND)
-        y = gate * tl.sigmoid(gate) * up
-    if RESIDUAL:  # the product rounds, then the add
-        y = _round(y, y_ptr.dtype.element_ty, ROUND_BF16_BY_HAND)
-        y += tl.load(r_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
-    if ROUND_BF16_BY_HAND:
-        y = round_to_bf16(y)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows_ok)
+    _finish(
+        y, up, b_ptr, r_ptr, y_ptr, rows, rows_ok, up_rows, HAS_BIAS, RESIDUAL, SWIGLU,
+        ROUND_BF16_BY_HAND,
+    )  # fmt: skip
 
 
 def gemv_supported(kind: str, shape: tuple[int, int]) -> bool:
