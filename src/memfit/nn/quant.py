@@ -104,7 +104,6 @@ class QuantizedWeight(nn.Module):
         matrix-vector kernel (memfit.ops.quant.gemv) takes: int8 or int4, no gradient asked."""
         return (
             x.numel() == x.shape[-1]
-            and self.kind != "nf4"
             and gemv_supported(self.kind, self.shape)
             and self.fused(x)
             and not (torch.is_grad_enabled() and x.requires_grad)
