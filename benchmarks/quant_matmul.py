@@ -1,6 +1,6 @@
 """The dequantizing matrix products (memfit.ops.quant.matmul) against dequantize-then-cuBLAS and
 against cuBLAS on the bf16 weight, at the linear layers of llama-3-8b and llama-3.2-3b, for the
-forward (x W^T) and the input's gradient (g W), NF4 and int8, over the number of rows M.
+forward (x W^T) and the input's gradient (g W), NF4, int8 and int4, over the number of rows M.
 
     python benchmarks/quant_matmul.py                  # M = 1, 16, 256, 2048, 8192
 
@@ -19,7 +19,10 @@ import torch
 
 import memfit.ops.quant.matmul as kernels
 from memfit.models.config import PRESETS
-from memfit.ops.quant import quantize_int8, quantize_nf4
+from memfit.ops.quant import quantize_int4, quantize_int8, quantize_nf4
+
+QUANTIZE = {"nf4": quantize_nf4, "int8": quantize_int8, "int4": quantize_int4}
+KIND_ID = {"nf4": kernels._NF4, "int8": kernels._INT8, "int4": kernels._INT4}
 
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -42,7 +45,7 @@ def measure(shape, m, kind) -> dict:
     n, k = shape
     copies = 4 if m <= 256 else 1  # cold weights: rotate through several
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    states = [quantize_nf4(w) if kind == "nf4" else quantize_int8(w) for w in weights]
+    states = [QUANTIZE[kind](w) for w in weights]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     turn = iter(range(10**9))
@@ -64,7 +67,7 @@ def measure(shape, m, kind) -> dict:
         "bf16_cublas_dx_us": timed(lambda: g @ pick(weights)),
     }
     bucket = kernels._bucket(m)
-    kind_id = kernels._NF4 if kind == "nf4" else kernels._INT8
+    kind_id = KIND_ID[kind]
     for name, kernel in (("fwd", kernels._forward_kernel), ("dx", kernels._dx_kernel)):
         tuned = kernels._TUNED[kernel, kind_id]
         best = tuned.cache.get((bucket, n, k)) or next(

@@ -54,8 +54,10 @@ from memfit.ops.quant.gemv import gemv_supported, quant_gemv
 Kind = Literal["nf4", "int8", "int4"]
 KINDS = ("nf4", "int8", "int4")
 
-# Products of more rows than this dequantize W whole and call cuBLAS (measured: module docstring).
-FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": 16}
+# Products of more rows than this dequantize W whole and call cuBLAS (measured: module docstring;
+# int4's tile kernel reads each element's word, scale and zero point and lost to dequantize +
+# cuBLAS at 2-64 rows on llama-3-8b's layers, H100: results/quant_matmul.json).
+FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": 0}
 
 
 class QuantizedWeight(nn.Module):

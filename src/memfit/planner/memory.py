@@ -992,7 +992,7 @@ def _adapter_copy_bytes(model: ModelConfig, strategy: Strategy) -> int:
 # memfit.nn.quant.FUSED_MAX_ROWS: a quantized product of at most this many rows dequantizes
 # inside the matmul kernel; above it the weight is dequantized whole (compute dtype, one layer's
 # at a time) for cuBLAS, forward and backward.
-QUANT_FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": 16}
+QUANT_FUSED_MAX_ROWS = {"nf4": 0, "int8": 16, "int4": 0}
 
 
 def dequantized_copy_bytes(linear: BlockLinear, strategy: Strategy, kind: str) -> int:
