@@ -279,7 +279,6 @@ def _load_huggingface(
     hf_config = json.loads((directory / "config.json").read_text())
     quantization = quantization_of(hf_config)
     _check_causal_lm(hf_config, directory, quantized=quantization is not None)
-    files = [] if quantization else _safetensors_files(directory)
     generation, tokenizer, chat_template = _read_generation_and_tokenizer(directory, hf_config)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
@@ -306,7 +305,7 @@ def _load_huggingface(
         prepare(model)
     _materialize(
         model,
-        files,
+        _safetensors_files(directory),
         layout,
         lambda found: family.check_hf_shapes(
             model, found, source=f"the weights in {str(directory)!r}"

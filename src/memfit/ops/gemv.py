@@ -158,6 +158,25 @@ def _finish(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows_ok)
 
 
+def check_one_row(
+    name: str, x: Tensor, shape: tuple[int, int], bias: Tensor | None, swiglu: bool,
+    residual: Tensor | None,
+) -> int:  # fmt: skip
+    """The checks of a one-row product's operands (`gemv`'s, memfit.ops.quant.gemv's) against
+    W's (N, K) shape; returns the output's width (N, or N / 2 with swiglu)."""
+    n, k = shape
+    if x.numel() != k or x.shape[-1] != k:
+        raise ValueError(f"{name} takes one row of {k} features, got x of shape {tuple(x.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"{name}'s bias must be ({n},) in {x.dtype}")
+    if swiglu and n % 2:
+        raise ValueError(f"{name} with swiglu needs an even number of rows (gate, up), got {n}")
+    out = n // 2 if swiglu else n
+    if residual is not None and (residual.numel() != out or residual.dtype != x.dtype):
+        raise ValueError(f"{name}'s residual must hold {out} values in {x.dtype}")
+    return out
+
+
 def gemv(
     x: Tensor,
     weight: Tensor,
@@ -172,20 +191,12 @@ def gemv(
     swiglu of the product, (..., N / 2). residual: (..., N) of x's dtype, added to the result.
     Runs where Triton runs (the caller decides: memfit.functional.linear)."""
     n, k = weight.shape
-    if x.numel() != k or x.shape[-1] != k:
-        raise ValueError(f"gemv takes one row of {k} features, got x of shape {tuple(x.shape)}")
     if weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(
             f"gemv needs weight with unit stride along K and x of its dtype, got stride "
             f"{weight.stride()} and {x.dtype} / {weight.dtype}"
         )
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"gemv's bias must be ({n},) in {x.dtype}")
-    if swiglu and n % 2:
-        raise ValueError(f"gemv with swiglu needs an even number of rows (gate, up), got {n}")
-    out = n // 2 if swiglu else n
-    if residual is not None and (residual.numel() != out or residual.dtype != x.dtype):
-        raise ValueError(f"gemv's residual must hold {out} values in {x.dtype}")
+    out = check_one_row("gemv", x, (n, k), bias, swiglu, residual)
     y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)
     interpret = x.device.type == "cpu"
     pdl = pdl_enabled(x.device)

@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from memfit.config import check_parallelism
 from memfit.models.config import ModelConfig, load_model_config
+from memfit.ops.quant.int4 import int4_group
 from memfit.optim.registry import get_optimizer, model_state_bytes
 from memfit.planner.hardware import GPU, GiB
 
@@ -111,7 +112,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # memfit.ops.quant.nf4: weights per absmax, absmax values per second-level scale
 NF4_BLOCK = 64
 NF4_SCALE_BLOCK = 256
-INT4_GROUP = 128  # memfit.ops.quant.INT4_GROUP; a layer it does not divide takes a smaller one
 # the CUDA caching allocator hands out blocks in multiples of 512 bytes
 ALLOCATION_GRANULE = 512
 Quantize = Literal["none", "nf4", "int8"]
@@ -446,10 +446,7 @@ def quantized_weight_bytes(out_features: int, in_features: int, kind: str) -> in
     elif kind == "int8":
         buffers = [numel, 4 * out_features]
     elif kind == "int4":
-        group = INT4_GROUP
-        while in_features % group and group > 16:
-            group //= 2
-        groups = out_features * (in_features // group)
+        groups = out_features * (in_features // int4_group(in_features))
         buffers = [numel // 2, 4 * groups, groups]
     else:
         raise ValueError(f"quantize to 'nf4', 'int8' or 'int4', got {kind!r}")

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from memfit.ops._triton import gdc_launch_dependents, gdc_wait, launch, pdl_enabled, tl, triton
-from memfit.ops.gemv import _finish
+from memfit.ops.gemv import _finish, check_one_row
 
 __all__ = ["quant_gemv", "gemv_supported"]
 
@@ -201,22 +201,12 @@ def quant_gemv(
     (quantize_int8's or quantize_int4's, contiguous, on x's device); x bf16 or fp16. swiglu: W
     is a fused gate/up projection and the result is swiglu of the product, (..., N / 2).
     residual: (..., N) of x's dtype, added to the result. Returns x's dtype."""
-    n, k = shape
+    k = shape[1]
     if not gemv_supported(kind, shape):
         raise ValueError(f"quant_gemv takes int8 or int4 weights, got {kind!r}")
-    if x.numel() != k or x.shape[-1] != k:
-        raise ValueError(
-            f"quant_gemv takes one row of {k} features, got x of shape {tuple(x.shape)}"
-        )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"quant_gemv computes in bf16 or fp16, got {x.dtype}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"quant_gemv's bias must be ({n},) in {x.dtype}")
-    if swiglu and n % 2:
-        raise ValueError(f"quant_gemv with swiglu needs an even number of rows (gate, up), got {n}")
-    out = n // 2 if swiglu else n
-    if residual is not None and (residual.numel() != out or residual.dtype != x.dtype):
-        raise ValueError(f"quant_gemv's residual must hold {out} values in {x.dtype}")
+    out = check_one_row("quant_gemv", x, shape, bias, swiglu, residual)
     scale = state["scale"]
     values = state["q"] if kind == "int8" else state["packed"]
     zero = state.get("zero", scale)
