@@ -17,6 +17,11 @@
   against Hugging Face transformers' continuous batching (`generate_batch`, paged), both warm
   (the second call is timed). Also the KV waste of memfit's run, sampled each step:
   (slots of the allocated blocks - tokens stored) / slots of the allocated blocks.
+- kv_fp8: an fp8 KV cache against bf16 (`LLM(kv_cache_dtype="fp8")`): the throughput workload
+  above with the KV pool fixed at --kv-budget-gib for both (the fp8 pool holds twice the
+  tokens, so more requests run at once), tokens/s, steps and preemptions; and the decode
+  kernel alone over fp8 and bf16 pools (the KERNEL_CASES with head dim 128), time and the
+  bytes it reads per second; with --sweep, the fp8 decode configurations (DECODE_CONFIGS_FP8).
 - batch1: one prompt of 128 tokens, 256 new tokens, tokens/s and time per token, against the
   limit of reading the weights and the KV cache once per token at the measured copy bandwidth,
   for llama-3.2-1b and llama-3-8b shapes.
@@ -276,6 +281,133 @@ def throughput(device: torch.device, requests: int, new_tokens: int) -> dict:
             "speedup": memfit["tokens_per_s"] / hf["tokens_per_s"]}  # fmt: skip
 
 
+def _engine_run(llm, prompts, params) -> dict:
+    """One timed `generate` of every prompt (the engine warm), with the engine's counters."""
+    llm.generate(prompts[:8], params, progress=False)  # warm-up: kernels compiled, graphs made
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, progress=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    stats = llm.last_stats
+    return {
+        "tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB, "steps": stats["steps"],
+        "preemptions": stats["preemptions"], "kv_blocks": stats["kv_blocks"],
+        "kv_blocks_peak": stats["kv_blocks_peak"], "decode_steps": stats["decode_steps"],
+        "decode_seconds": stats["decode_seconds"],
+    }  # fmt: skip
+
+
+FP8_SWEEP_CASES = KERNEL_CASES + [(256, 512, 32, 8, 128)]
+FP8_SWEEP_CONFIGS = [(64, 4, 3), (64, 2, 3), (64, 4, 4), (128, 2, 3), (128, 4, 2), (128, 4, 3),
+                     (128, 8, 2), (128, 8, 3), (256, 8, 2)]  # fmt: skip
+
+
+def _fp8_sweep(device: torch.device) -> list[dict]:
+    """The decode kernel over fp8 pools under each of FP8_SWEEP_CONFIGS (BLOCK_N, warps,
+    stages), against bf16 pools under their own configuration."""
+    return [row for case in FP8_SWEEP_CASES for row in _fp8_sweep_case(*case, device=device)]
+
+
+def _fp8_sweep_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> list[dict]:
+    q, key_pool, value_pool, _, metadata = _paged_case(
+        batch, context, heads_q, heads_kv, head_dim, 16, device
+    )
+    scales = torch.full((heads_kv,), 0.25, device=device)
+    k8 = (key_pool.float() / 0.25).to(torch.float8_e4m3fn)
+    v8 = (value_pool.float() / 0.25).to(torch.float8_e4m3fn)
+
+    def bf16():
+        return paged_ops.paged_attention(q, key_pool, value_pool, **metadata)
+
+    def fp8():
+        return paged_ops.paged_attention(q, k8, v8, **metadata, k_scale=scales, v_scale=scales)
+
+    t_bf16, rows = graph_seconds(bf16), []
+    default = paged_ops.DECODE_CONFIGS_FP8[head_dim]
+    for config in FP8_SWEEP_CONFIGS:
+        paged_ops.DECODE_CONFIGS_FP8[head_dim] = config
+        t = graph_seconds(fp8)
+        rows.append({"batch": batch, "context": context, "head_dim": head_dim,
+                     "config": list(config), "fp8_us": t * 1e6, "bf16_us": t_bf16 * 1e6})  # fmt: skip
+        print(f"fp8 sweep B={batch} L={context} D={head_dim} {config}: {t * 1e6:.1f} us "
+              f"(bf16 {t_bf16 * 1e6:.1f})", flush=True)  # fmt: skip
+    paged_ops.DECODE_CONFIGS_FP8[head_dim] = default
+    return rows
+
+
+def kv_fp8(
+    device: torch.device, requests: int, new_tokens: int, budget_gib: float, sweep: bool
+) -> dict:
+    from memfit.inference import LLM, SamplingParams
+
+    prompts = _prompts(requests, 64, 512, 128256)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    result = {"model": "llama-3.2-1b", "requests": requests, "new_tokens": new_tokens,
+              "kv_budget_gib": budget_gib}  # fmt: skip
+    for kind in ("auto", "fp8"):
+        llm = LLM(
+            "llama-3.2-1b", device=device, kv_cache_bytes=int(budget_gib * GiB),
+            kv_cache_dtype=kind,
+        )  # fmt: skip
+        row = _engine_run(llm, prompts, params)
+        row["kv_tokens"] = llm.cache.pool.num_blocks * llm.cache.block_size
+        result["bf16" if kind == "auto" else "fp8"] = row
+        print(
+            f"KV {kind}: {row['tokens_per_s']:,.0f} tokens/s, pool {row['kv_tokens']:,} tokens, "
+            f"{row['preemptions']} preemptions, {row['steps']} steps",
+            flush=True,
+        )
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    result["fp8_over_bf16"] = result["fp8"]["tokens_per_s"] / result["bf16"]["tokens_per_s"]
+    result["kv_tokens_ratio"] = result["fp8"]["kv_tokens"] / result["bf16"]["kv_tokens"]
+    result["kernel"] = [
+        _fp8_kernel_case(*case, device=device) for case in KERNEL_CASES if case[4] == 128
+    ]
+    if sweep:
+        result["sweep"] = _fp8_sweep(device)
+    return result
+
+
+def _fp8_kernel_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> dict:
+    """The decode kernel over fp8 pools against the same kernel over bf16 ones (CUDA graphs)."""
+    q, key_pool, value_pool, _, metadata = _paged_case(
+        batch, context, heads_q, heads_kv, head_dim, 16, device
+    )
+    scales = torch.full((heads_kv,), 0.25, device=device)
+    k8 = (key_pool.float() / 0.25).to(torch.float8_e4m3fn)
+    v8 = (value_pool.float() / 0.25).to(torch.float8_e4m3fn)
+    widened = paged_ops.paged_attention(q, k8.to(q.dtype) * 0.25, v8.to(q.dtype) * 0.25, **metadata)
+
+    def bf16():
+        return paged_ops.paged_attention(q, key_pool, value_pool, **metadata)
+
+    def fp8():
+        return paged_ops.paged_attention(q, k8, v8, **metadata, k_scale=scales, v_scale=scales)
+
+    err = (fp8().float() - widened.float()).abs().max().item()
+    t_bf16, t_fp8 = graph_seconds(bf16), graph_seconds(fp8)
+    elements = 2 * batch * context * heads_kv * head_dim
+    row = {
+        "batch": batch, "context": context, "heads_q": heads_q, "heads_kv": heads_kv,
+        "head_dim": head_dim, "bf16_ms": t_bf16 * 1e3, "fp8_ms": t_fp8 * 1e3,
+        "bf16_tb_s": 2 * elements / t_bf16 / 1e12, "fp8_tb_s": elements / t_fp8 / 1e12,
+        "fp8_speedup": t_bf16 / t_fp8, "max_abs_diff_vs_widened": err,
+    }  # fmt: skip
+    print(
+        f"decode B={batch} L={context}: bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms "
+        f"({row['fp8_speedup']:.2f}x, {row['fp8_tb_s']:.2f} TB/s), max diff vs the widened pools "
+        f"{err:.1e}",
+        flush=True,
+    )
+    return row
+
+
 def _hf_generate_batch(prompts, new_tokens, device) -> dict:
     import transformers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -378,6 +510,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batch1-models", nargs="+", default=["llama-3.2-1b", "llama-3-8b"])
+    parser.add_argument(
+        "--kv-budget-gib", type=float, default=1.0, help="kv_fp8: the KV pool of both runs"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -393,6 +528,10 @@ def main() -> None:
         run["prefill"] = prefill(device, args.sweep)
     if "throughput" in args.parts:
         run["throughput"] = throughput(device, args.requests, args.new_tokens)
+    if "kv_fp8" in args.parts:
+        run["kv_fp8"] = kv_fp8(
+            device, args.requests, args.new_tokens, args.kv_budget_gib, args.sweep
+        )
     if "batch1" in args.parts:
         run["batch1"] = batch1(device, copy_bw, args.batch1_models, args.new_tokens)
     if args.out is not None:

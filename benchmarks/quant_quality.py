@@ -15,8 +15,18 @@ else Python's license), its first --calibration tokens in rows of 256.
 Perplexity: exp of the mean next-token loss over the first --tokens tokens, in windows of
 --window tokens (each window's first token predicted from nothing is not scored).
 
+--kv fp8: the KV cache's cost, weights in bf16: each window runs as one prefill through the paged
+engine's path (memfit.inference.PagedKVCache, then attention reads every key back from the
+cache), with the cache in the compute dtype and in fp8, the fp8 cache calibrated as
+`LLM(kv_cache_dtype="fp8")` calibrates it (KV_CALIBRATION_ROWS rows of random ids). Token
+agreement: greedy continuations (--agreement-tokens new tokens) of --agreement-prompts prompts
+cut from the text, through the engine with each cache: the share of positions whose token
+equals the full-precision cache's, and of tokens before the first difference; for scale, the
+same agreement of the whole model run in bf16.
+
     python benchmarks/quant_quality.py                    # bf16, int8, int4, int4-awq
     python benchmarks/quant_quality.py --tokens 2048      # quicker
+    python benchmarks/quant_quality.py --kinds --kv fp8   # the KV cache only
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests.real_model)
 
+from memfit.inference import PagedKVCache, SamplingParams, generate_paged  # noqa: E402
+from memfit.inference.llm import KV_CALIBRATION_ROWS  # noqa: E402
 from memfit.models.loading import load_pretrained  # noqa: E402
 from memfit.nn.awq import awq_scale  # noqa: E402
 from memfit.nn.quant import quantize_model  # noqa: E402
@@ -39,10 +51,55 @@ from tests.real_model import english_text, smollm2_checkpoint  # noqa: E402
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, ids: list[int], window: int) -> float:
+def perplexity(model: torch.nn.Module, ids: list[int], window: int, kv_dtype=False) -> float:
+    """kv_dtype False: plain forwards; None or 'fp8': through a paged cache of that kind."""
     rows = torch.tensor(ids[: len(ids) // window * window]).view(-1, window)
-    total = sum(model(row[None, :-1], targets=row[None, 1:]).item() for row in rows)
+    total = 0.0
+    for row in rows:
+        options = {}
+        if kv_dtype is not False:
+            cache = _cache(model, window, kv_dtype)
+            options = {"kv_cache": cache, "metadata": cache.step_metadata([0], [window - 1])}
+        total += model(row[None, :-1], targets=row[None, 1:], **options).item()
     return math.exp(total / (rows.shape[0] * (window - 1)))
+
+
+_CALIBRATED: dict = {}
+
+
+def _cache(model, tokens: int, kv_dtype: str | None) -> PagedKVCache:
+    """A paged cache for `tokens` tokens; fp8 calibrated as LLM does it (once per model)."""
+    dtype = next(model.parameters()).dtype
+    cache = PagedKVCache(
+        model.config, num_blocks=-(-tokens // 16) + 1, block_size=16, dtype=dtype,
+        device="cpu", kv_dtype=kv_dtype,
+    )  # fmt: skip
+    if kv_dtype:
+        if id(model) not in _CALIBRATED:
+            rows, length = KV_CALIBRATION_ROWS
+            generator = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=generator)
+            cache.calibrate(model, ids.tolist())
+            _CALIBRATED[id(model)] = cache.key_offset, cache.key_scale, cache.value_scale
+        cache.key_offset, cache.key_scale, cache.value_scale = _CALIBRATED[id(model)]
+    return cache
+
+
+def _greedy(model, prompts: list[list[int]], new_tokens: int, kv_dtype) -> list[list[int]]:
+    cache = _cache(model, len(prompts) * (max(map(len, prompts)) + new_tokens + 16), kv_dtype)
+    return generate_paged(model, prompts, cache, SamplingParams(max_tokens=new_tokens))
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """The share of greedy positions whose token equals the reference's, and of tokens before
+    each continuation's first difference."""
+    same = before = total = 0
+    for full, quantized in zip(reference, other, strict=True):
+        matches = [a == b for a, b in zip(full, quantized, strict=True)]
+        same += sum(matches)
+        before += matches.index(False) if False in matches else len(matches)
+        total += len(matches)
+    return {"agreement": same / total, "before_first_difference": before / total}
 
 
 def _calibration_text() -> tuple[str, str]:
@@ -59,7 +116,10 @@ def _calibration_text() -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kinds", nargs="+", default=["bf16", "int8", "int4", "int4-awq"])
+    parser.add_argument("--kinds", nargs="*", default=["bf16", "int8", "int4", "int4-awq"])
+    parser.add_argument("--kv", nargs="*", default=["fp8"], help="KV cache kinds to measure")
+    parser.add_argument("--agreement-prompts", type=int, default=8)
+    parser.add_argument("--agreement-tokens", type=int, default=64)
     parser.add_argument("--calibration", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
@@ -104,9 +164,36 @@ def main() -> None:
         }
         run["records"].append(row)
         print(row, flush=True)
-    reference = run["records"][0]["perplexity"]
-    for row in run["records"]:
-        row["vs_" + run["records"][0]["weights"]] = row["perplexity"] / reference - 1
+    if run["records"]:
+        reference = run["records"][0]["perplexity"]
+        for row in run["records"]:
+            row["vs_" + run["records"][0]["weights"]] = row["perplexity"] / reference - 1
+    if args.kv:
+        model, info = load_pretrained(checkpoint, device="cpu", dtype=torch.float32)
+        ids = info.tokenizer.encode(text)[: args.tokens]
+        start = time.perf_counter()
+        full = perplexity(model, ids, args.window, kv_dtype=None)
+        run["kv"] = [{"kv": "fp32 (the compute dtype)", "perplexity": full,
+                      "seconds": time.perf_counter() - start}]  # fmt: skip
+        print(run["kv"][0], flush=True)
+        prompts = [ids[i * 64 : i * 64 + 64] for i in range(args.agreement_prompts)]
+        reference = _greedy(model, prompts, args.agreement_tokens, None)
+        for kind in args.kv:
+            start = time.perf_counter()
+            ppl = perplexity(model, ids, args.window, kv_dtype=kind)
+            row = {"kv": kind, "perplexity": ppl, "vs_full": ppl / full - 1,
+                   "seconds": time.perf_counter() - start}  # fmt: skip
+            row |= agreement(reference, _greedy(model, prompts, args.agreement_tokens, kind))
+            run["kv"].append(row)
+            print(row, flush=True)
+        # how far greedy continuations drift for a smaller change: the whole model in bf16
+        bf16, _ = load_pretrained(checkpoint, device="cpu", dtype=torch.bfloat16)
+        row = {"kv": "bf16 model and cache (for scale)"}
+        row |= agreement(reference, _greedy(bf16, prompts, args.agreement_tokens, None))
+        run["kv"].append(row)
+        print(row, flush=True)
+        run["agreement"] = {"prompts": args.agreement_prompts, "new_tokens": args.agreement_tokens,
+                            "prompt_tokens": 64}  # fmt: skip
     print(f"results: {harness.append_results('quant_quality', run, args.out)}")
 
 

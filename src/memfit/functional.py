@@ -119,6 +119,7 @@ def attention(
     mask: Tensor | None = None,
     metadata=None,
     stride: int = 0,
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Scaled dot-product attention with grouped key/value heads.
 
@@ -133,7 +134,9 @@ def attention(
     block pools of one layer (num_blocks, block_size, heads_kv, head_dim), q holds the step's
     tokens flattened (1, tokens, heads_q, head_dim), each attending to its own sequence's blocks
     up to its position: the "paged" backend runs; there `stride` S > 0 beside a `window` also
-    shows each query the summary columns S - 1, 2S - 1, ... (a strided sparse pattern).
+    shows each query the summary columns S - 1, 2S - 1, ... (a strided sparse pattern), and
+    `kv_scales` (k_scale, v_scale), (heads_kv,) each, says the pools are an fp8 cache's
+    (memfit.inference.PagedKVCache(kv_dtype="fp8")), stored divided by them.
     backend: a registered name: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa
     (torch's fused attention), eager (materializes the scores; a reference), or auto
     (`resolve_attention`).
@@ -155,14 +158,18 @@ def attention(
             f"unknown attention backend {backend!r}; registered: {', '.join(_ATTENTION_BACKENDS)}"
         )
     kernel = _ATTENTION_BACKENDS[backend]
+    paged = {}
     if stride:
         if backend != "paged" or window is None:
             raise ValueError(
                 "stride (a strided pattern's summary columns) takes a paged cache and a window"
             )
-        return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata,
-                      stride=stride)  # fmt: skip
-    return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata)
+        paged["stride"] = stride
+    if kv_scales is not None:
+        if backend != "paged":
+            raise ValueError("kv_scales (an fp8 cache's) take a paged cache")
+        paged["kv_scales"] = kv_scales
+    return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata, **paged)
 
 
 def linear(
@@ -234,7 +241,7 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metad
 
 def _paged_reference(
     q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata,
-    stride: int = 0,
+    stride: int = 0, kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """Paged attention in plain PyTorch, the reference the paged Triton kernels replace: each
     token's sequence's blocks are gathered into (tokens, blocks x block_size, heads_kv, head_dim)
@@ -242,6 +249,9 @@ def _paged_reference(
     table = metadata.block_table[metadata.seq_index]  # (T, max_blocks)
     keys = key_pool[table].flatten(1, 2)  # (T, S, nkv, hs)
     values = value_pool[table].flatten(1, 2)
+    if kv_scales is not None:  # an fp8 cache's: widened and scaled back (the key offset stays)
+        keys = (keys.float() * kv_scales[0][:, None]).to(q.dtype)
+        values = (values.float() * kv_scales[1][:, None]).to(q.dtype)
     key_positions = torch.arange(keys.shape[1], device=q.device)
     positions = metadata.positions[:, None]
     allowed = key_positions[None, :] <= positions  # (T, S)
@@ -258,19 +268,21 @@ def _paged_reference(
 
 def _paged(
     q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata,
-    stride: int = 0,
+    stride: int = 0, kv_scales: tuple[Tensor, Tensor] | None = None,
 ):  # fmt: skip
     """memfit's Triton paged kernels (memfit.ops.attention.paged) where Triton runs, else the
     plain-PyTorch reference."""
     if not use_triton(q) or metadata.seq_lens is None or not head_dim_supported(q.shape[-1]):
         return _paged_reference(
             q, key_pool, value_pool, causal=causal, window=window, mask=mask, metadata=metadata,
-            stride=stride,
+            stride=stride, kv_scales=kv_scales,
         )  # fmt: skip
+    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
     out = paged_attention(
         q[0], key_pool, value_pool, block_table=metadata.block_table, seq_lens=metadata.seq_lens,
         query_start=metadata.query_start, max_query_len=metadata.max_query_len,
-        max_seq_len=metadata.max_seq_len, window=window, stride=stride,
+        max_seq_len=metadata.max_seq_len, window=window, stride=stride, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
     return out[None]
 

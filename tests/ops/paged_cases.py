@@ -74,18 +74,54 @@ def paged_reference(
     return out
 
 
+def quantize_pools(key_pool, value_pool, seed=0):
+    """fp8 pools as a quantized PagedKVCache stores them: each kv head's keys (less an
+    offset) and values divided by a scale of its own. Returns the fp8 pools, the scales and the
+    values they stand for (fp32; the keys without the offset, which changes no softmax)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed + 1)
+    heads_kv, head_dim = key_pool.shape[2:]
+    scales = (torch.rand(2, heads_kv, generator=generator) * 1.5 + 0.02).to(key_pool.device)
+    offset = torch.randn(heads_kv, head_dim, generator=generator).to(key_pool.device)
+    stored_k = ((key_pool.float() - offset) / scales[0][:, None]).to(torch.float8_e4m3fn)
+    stored_v = (value_pool.float() / scales[1][:, None]).to(torch.float8_e4m3fn)
+    meant_k = stored_k.float() * scales[0][:, None]
+    meant_v = stored_v.float() * scales[1][:, None]
+    return stored_k, stored_v, scales[0].contiguous(), scales[1].contiguous(), meant_k, meant_v
+
+
 def check_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, *,
-                window=None, stride=0, num_splits=None, floor=1e-6, seed=0):  # fmt: skip
+                window=None, stride=0, num_splits=None, floor=1e-6, seed=0,
+                fp8=False):  # fmt: skip
+    """fp8: the pools quantized (`quantize_pools`), the reference reading the values they
+    stand for."""
     q, key_pool, value_pool, metadata = make_paged(
         query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, seed
     )
-    out = paged_attention(
-        q, key_pool, value_pool, **metadata, window=window, stride=stride, num_splits=num_splits
-    )
+    scales = {}
+    if fp8:
+        stored_k, stored_v, k_scale, v_scale, key_pool, value_pool = quantize_pools(
+            key_pool, value_pool, seed
+        )
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        out = paged_attention(
+            q, stored_k, stored_v, **metadata, window=window, stride=stride,
+            num_splits=num_splits, **scales,
+        )  # fmt: skip
+    else:
+        out = paged_attention(
+            q, key_pool, value_pool, **metadata, window=window, stride=stride,
+            num_splits=num_splits,
+        )  # fmt: skip
     assert out.dtype == q.dtype and out.shape == q.shape
     exact = paged_reference(q, key_pool, value_pool, metadata, window=window, stride=stride)
     baseline = paged_reference(
-        q, key_pool, value_pool, metadata, window=window, stride=stride, dtype=dtype
+        q,
+        key_pool.to(dtype),
+        value_pool.to(dtype),
+        metadata,
+        window=window,
+        stride=stride,
+        dtype=dtype,
     )
     assert_error_within(out, baseline, exact, name="out", floor=floor)
     return out

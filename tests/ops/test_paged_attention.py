@@ -98,3 +98,28 @@ def test_one_sequence_spanning_many_programs():
 def test_bad_block_size():
     with pytest.raises(ValueError, match="power of two"):
         check_paged([1], [5], 2, 2, 32, 12, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_pools_decode(dtype, num_splits):
+    # a quantized cache's pools: fp8 tiles widened in the kernel, the scales folded in
+    check_paged([1] * 4, [1, 37, 70, 16], 8, 2, 64, 16, dtype, "cpu", num_splits=num_splits,
+                fp8=True)  # fmt: skip
+
+
+def test_fp8_pools_chunks_window_and_stride():
+    check_paged([5, 1, 20], [40, 33, 20], 8, 2, 48, 8, torch.bfloat16, "cpu", fp8=True)
+    check_paged([5, 1], [40, 70], 4, 4, 64, 16, torch.bfloat16, "cpu", window=9, stride=8,
+                fp8=True)  # fmt: skip
+
+
+def test_fp8_pools_refuse_missing_or_misshaped_scales():
+    q, key_pool, value_pool, metadata = make_paged([1], [9], 4, 2, 64, 16, torch.float32, "cpu")
+    fp8 = key_pool.to(torch.float8_e4m3fn), value_pool.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="v_scale must be"):
+        paged_attention(q, *fp8, **metadata, k_scale=torch.ones(2))
+    with pytest.raises(ValueError, match=r"k_scale must be \(2,\)"):
+        paged_attention(q, *fp8, **metadata, k_scale=torch.ones(3), v_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        paged_attention(q, key_pool.to(torch.float16), value_pool, **metadata)

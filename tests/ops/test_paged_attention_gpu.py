@@ -50,3 +50,12 @@ def test_strided_summary_columns(stride, window):
                 window=window, stride=stride)  # fmt: skip
     check_paged([300, 1], [5000, 700], 32, 8, 128, 16, torch.bfloat16, "cuda", window=window,
                 stride=stride)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_pools(dtype):
+    lengths = [1, 17, 300, 4097, 16500]
+    check_paged([1] * len(lengths), lengths, 32, 8, 128, 16, dtype, "cuda", fp8=True)
+    check_paged([700, 1, 257], [700, 5000, 17000], 32, 8, 128, 16, dtype, "cuda", fp8=True)
+    check_paged([300, 1], [5000, 700], 32, 8, 128, 16, dtype, "cuda", window=100, stride=64,
+                fp8=True)  # fmt: skip

@@ -67,3 +67,45 @@ def test_rejects_mismatched_shapes():
         rotary_paged_write(qkv, cos, sin, keys, values, slots, heads_q=4)
     with pytest.raises(ValueError, match="must match each other"):
         rotary_paged_write(qkv, cos, sin, keys, values.bfloat16(), slots, heads_q=8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads_q,heads_kv,head_dim", [(5, 8, 2, 128), (19, 6, 2, 32)])
+def test_fp8_pools_equal_the_plain_quantization(tokens, heads_q, heads_kv, head_dim, dtype, device):
+    # an fp8 cache's write: (k - offset) / k_scale and v / v_scale, saturated, bit for bit as
+    # PagedKVCache.update stores them on the plain path; a large value saturates to 448
+    qkv, cos, sin, slots, _ = _case(tokens, heads_q, heads_kv, head_dim, dtype, device)
+    qkv[0, heads_q * head_dim] = 1e4
+    generator = torch.Generator().manual_seed(1)
+    offset = torch.randn(heads_kv, head_dim, generator=generator).to(device)
+    k_scale = torch.exp2(torch.randint(-6, 2, (heads_kv,), generator=generator).float()).to(device)
+    v_scale = torch.exp2(torch.randint(-6, 2, (heads_kv,), generator=generator).float()).to(device)
+    pools = [
+        torch.zeros(40, 16, heads_kv, head_dim, dtype=torch.float8_e4m3fn, device=device)
+        for _ in "kv"
+    ]
+    q_ref, k_ref, v_ref = _reference(
+        qkv, cos, sin, slots, [torch.zeros(p.shape, dtype=dtype, device=device) for p in pools],
+        heads_q, heads_kv, head_dim,
+    )  # fmt: skip
+    want_k = ((k_ref.float() - offset) / k_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want_v = (v_ref.float() / v_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    with triton_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        q = rotary_paged_write(
+            qkv, cos, sin, *pools, slots, heads_q=heads_q, key_offset=offset, k_scale=k_scale,
+            v_scale=v_scale,
+        )  # fmt: skip
+    assert torch.equal(q, q_ref)
+    written = slots.cpu()
+    for got, want in zip(pools, (want_k, want_v), strict=True):
+        got, want = got.view(-1, heads_kv, head_dim).cpu(), want.view(-1, heads_kv, head_dim).cpu()
+        assert torch.equal(got[written].view(torch.uint8), want[written].view(torch.uint8))
+    assert pools[0].view(-1, heads_kv, head_dim)[slots[0], 0].float().abs().max() == 448
+
+
+def test_fp8_pools_need_offset_and_scales():
+    qkv, cos, sin, slots, _ = _case(3, 4, 2, 32, torch.float32, "cpu")
+    pools = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]
+    with pytest.raises(ValueError, match="fp8 pools need key_offset"):  # (before any launch)
+        rotary_paged_write(qkv, cos, sin, *pools, slots, heads_q=4)

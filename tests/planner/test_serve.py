@@ -274,3 +274,30 @@ def test_a_paged_step_allocates_what_the_plan_says_on_cuda():
     measured = torch.cuda.max_memory_allocated() - base
     expected = SAMPLING_BYTES_PER_LOGIT * rows * config.vocab_size
     assert measured == pytest.approx(expected, rel=0.01)
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_and_is_a_fix():
+    model, h100 = PRESETS["llama-3-8b"], GPUS["h100-sxm"]
+    base, fp8 = plan_serve(model, h100), plan_serve(model, h100, kv_cache_dtype="fp8")
+    assert fp8.kv_bytes_per_token * 2 == base.kv_bytes_per_token == kv_bytes_per_token(model)
+    assert fp8.weights_bytes == base.weights_bytes
+    # the same memory in blocks of half the bytes (the scratch block taken once)
+    assert fp8.num_blocks + 1 - 2 * (base.num_blocks + 1) in (0, 1)
+    assert fp8.to_json()["kv"]["dtype"] == "fp8"
+    # a plan short of one sequence's blocks: an fp8 cache is one of the changes that fit
+    close = plan_serve(model, "l4", seq_len=24576)
+    assert not close.fits
+    fixes = dict(serve_fixes(close))
+    assert "--kv-cache-dtype fp8" in fixes and fixes["--kv-cache-dtype fp8"].fits
+    # the other changes keep the quantized weights and the fp8 cache the plan was made with
+    quantized = plan_serve(model, "l4", seq_len=65536, quantize="int4", kv_cache_dtype="fp8")
+    for _, fixed in serve_fixes(quantized):
+        assert fixed.quantize == "int4" and fixed.kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        plan_serve(model, h100, kv_cache_dtype="int3")
+
+
+def test_cli_plans_an_fp8_kv_cache(capsys):
+    command = ["plan", "--model", "llama-3-8b", "--serve", "--seq-len", "4096"]
+    assert main([*command, "--kv-cache-dtype", "fp8"]) == 0
+    assert "64 KiB per token" in capsys.readouterr().out

@@ -80,7 +80,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     llm = LLM(
         args.model, device=device, memory_fraction=args.gpu_memory_fraction,
         block_size=args.block_size, max_seq_len=args.max_model_len, tokenizer=tokenizer,
-        quantize=args.quantize,
+        quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     params = [sampling_params(args, args.seed + number) for number in range(len(texts))]
     outputs = llm.generate(texts, params, progress=bool(args.prompts))

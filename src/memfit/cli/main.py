@@ -206,6 +206,13 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         help="weight-only quantization of the blocks' linear layers at load: int8 per output "
         "channel, int4 in groups of 128 (the embedding and output head stay in bf16)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="the KV cache's element type: auto (the model's dtype) or fp8 (e4m3 with per-head "
+        "scales: twice the tokens in the same memory)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=_cmd_generate)
@@ -239,6 +246,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=["int8", "int4"],
         help="weight-only quantization of the blocks' linear layers at load: int8 per output "
         "channel, int4 in groups of 128 (the embedding and output head stay in bf16)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="the KV cache's element type: auto (the model's dtype) or fp8 (e4m3 with per-head "
+        "scales: twice the tokens in the same memory)",
     )
     p.add_argument("--max-running", type=int, default=256, help="sequences decoded together")
     p.add_argument(

@@ -395,6 +395,7 @@ def run_plan_serve(args: argparse.Namespace, console: Console) -> int:
         max_running=args.max_running,
         seq_len=args.seq_len,
         cuda_graph_batch_sizes=() if args.no_cuda_graphs else None,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     fixes = [] if result.fits else serve_fixes(result)
     if args.json:
@@ -460,7 +461,8 @@ def _serve_table(result: ServePlan) -> Table:
         (
             "KV cache pool",
             result.kv_pool_bytes,
-            f"{result.num_blocks:,} blocks + 1 scratch x {result.kv_bytes_per_block / 2**20:.2f} MiB",
+            f"{result.num_blocks:,} blocks + 1 scratch x {result.kv_bytes_per_block / 2**20:.2f} MiB"
+            + (" (fp8)" if result.kv_cache_dtype == "fp8" else ""),
         ),
         (
             "step activations",
@@ -622,6 +624,12 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         help="share of the GPU's memory the server may use, KV cache included (default 0.9)",
     )
     serve.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    serve.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="the KV cache's element type: auto (--precision) or fp8 (one byte: twice the tokens)",
+    )
     serve.add_argument(
         "--max-step-tokens",
         type=int,

@@ -54,6 +54,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         "block_size": args.block_size, "max_seq_len": args.max_model_len,
         "max_running": args.max_running, "max_step_tokens": args.max_step_tokens,
         "prefix_caching": not args.no_prefix_caching, "quantize": args.quantize,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }  # fmt: skip
     engine_options = {"max_waiting": args.max_waiting, "stream_interval": args.stream_interval}
     servers = args.api_servers

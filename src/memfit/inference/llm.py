@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from memfit.inference.engine import Engine
-from memfit.inference.paged_cache import PagedKVCache
+from memfit.inference.paged_cache import KV_DTYPES, PagedKVCache
 from memfit.inference.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 GiB = 2**30
 CPU_KV_BYTES = 256 * 2**20
 """The KV pool on a CPU, where there is no device memory to fill (kv_cache_bytes sets another)."""
+KV_CALIBRATION_ROWS = (2, 256)  # (rows, tokens) of random ids an fp8 KV cache is calibrated on
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -172,6 +173,7 @@ class LLM(Texts):
         prefix_caching: bool = False,
         tokenizer: Tokenizer | None = None,
         quantize: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """model: a Hugging Face checkpoint directory, a memfit checkpoint, or a preset name.
         dtype: bf16, fp16 or fp32 (default bf16 on CUDA, fp32 on a CPU). memory_fraction: of the
@@ -188,7 +190,9 @@ class LLM(Texts):
         layers at load (memfit.nn.quant; the embedding and the output head stay in `dtype`):
         a decode step reads half or about a quarter of the bytes. A quantized checkpoint
         (memfit.models.quantized, `memfit export --quantize`) loads as it is stored; asking it
-        for another kind is an error."""
+        for another kind is an error. kv_cache_dtype: 'auto' (the KV cache in `dtype`) or 'fp8'
+        (e4m3, per-head scales: twice the tokens in the same memory; memfit.inference.
+        PagedKVCache), calibrated at load on KV_CALIBRATION_ROWS rows of random token ids."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         for name, value in (
@@ -208,6 +212,12 @@ class LLM(Texts):
         torch_dtype = _DTYPES[dtype]
         if quantize not in (None, "int8", "int4"):
             raise ValueError(f"quantize must be 'int8' or 'int4' (or None), got {quantize!r}")
+        if kv_cache_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {list(KV_DTYPES)}, got {kv_cache_dtype!r}"
+            )
+        self.kv_cache_dtype = kv_cache_dtype
+        kv_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
         self.model, info = _load(model, self.device, torch_dtype, seed, quantize)
         # (a quantized checkpoint: the kind it holds)
         self.quantize = getattr(info, "quantize", None) or quantize
@@ -235,7 +245,10 @@ class LLM(Texts):
             block_size=block_size,
             dtype=torch_dtype,
             device=self.device,
+            kv_dtype=kv_dtype,
         )
+        if kv_dtype:
+            self._calibrate_kv()
         self.engine = Engine(
             self.model, self.cache, max_step_tokens=max_step_tokens, max_running=max_running,
             max_seq_len=max_seq_len, cuda_graphs=graphs, step_graphs=step_graphs, seed=seed,
@@ -245,6 +258,17 @@ class LLM(Texts):
         self.last_stats: dict = {}
         if self.device.type == "cuda":
             self._warm_up()
+
+    def _calibrate_kv(self) -> None:
+        """The fp8 cache's key offsets and scales from the model's keys and values over random
+        token ids (seeded): they set where each head's values lie, not what text says."""
+        vocab = self.config.vocab_size
+        if self.tokenizer is not None:
+            vocab = min(vocab, self.tokenizer.vocab_size)
+        generator = torch.Generator().manual_seed(0)
+        rows, length = KV_CALIBRATION_ROWS
+        ids = torch.randint(0, vocab, (rows, length), generator=generator).tolist()
+        self.cache.calibrate(self.model, ids)
 
     def _warm_up(self) -> None:
         """Compile the kernels of every kind of step before the first request: Triton compiles
@@ -276,6 +300,7 @@ class LLM(Texts):
             block_size=self.block_size, memory_fraction=fraction,
             max_step_tokens=max_step_tokens, max_running=max_running, seq_len=seq_len,
             cuda_graph_batch_sizes=None if graphs else (), quantize=self.quantize or "none",
+            kv_cache_dtype=self.kv_cache_dtype,
         ).check_fits()  # fmt: skip
         extra = max(torch.cuda.memory_allocated(self.device) - plan.weights_bytes, 0)
         budget = plan.kv_pool_bytes - extra

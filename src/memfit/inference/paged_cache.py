@@ -18,6 +18,17 @@ never writes into them (its next token goes to a new block), so no copy-on-write
 cached block nobody uses stays with its contents until a block is needed, least recently
 released first.
 
+fp8 (`kv_dtype="fp8"`): keys and values are stored as float8 e4m3, one byte an element, so the
+same memory holds twice the tokens. Each layer's kv head h stores v / v_scale[h] and
+(k - key_offset[h]) / k_scale[h]. The offset is the keys' mean over calibration tokens: a query's
+scores against every key then drop by the same q . key_offset, which the softmax cancels, so the
+kernels never add it back; what it removes is the part of k common to all tokens, which would
+otherwise take the fp8 rounding error (relative, 3 mantissa bits) on its large magnitude. The
+scales are powers of two (exact to divide by) leaving a factor 4 of headroom above the
+calibration's largest value; the kernels fold k_scale into the score scale and v_scale into the
+output, so reading an fp8 tile costs only its widening. `calibrate` sets them from a model's
+forward over a few token rows; until then the offset is 0 and the scales 1 (vLLM's default).
+
 Bookkeeping (tables, lengths, the free list) is on the host, where the scheduler runs; a step's
 `AttentionMetadata` (positions, slot mapping, block table, each token's sequence) is built once
 and copied to the device in one go, and every layer reads it.
@@ -37,6 +48,10 @@ from memfit.models.config import ModelConfig
 from memfit.nn.attention import AttentionMetadata
 from memfit.ops._triton import use_triton
 from memfit.ops.paged_write import rotary_paged_write
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # the quantized KV caches (`kv_dtype`)
+FP8_MAX = 448.0
+HEADROOM = 4.0  # the calibration's largest |value| lands at most at FP8_MAX / HEADROOM
 
 
 class OutOfBlocks(RuntimeError):
@@ -117,9 +132,13 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_dtype: str | None = None,
     ) -> None:
+        """dtype: the model's compute dtype; kv_dtype: None (store in dtype) or 'fp8'."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if kv_dtype not in (None, *KV_DTYPES):
+            raise ValueError(f"kv_dtype must be None or one of {list(KV_DTYPES)}, got {kv_dtype!r}")
         # one block more than the pool hands out: the scratch block, where the padding rows of a
         # captured decode step (memfit.inference.cuda_graphs) write and read
         shape = (
@@ -129,8 +148,15 @@ class PagedKVCache:
             config.num_kv_heads,
             config.head_dim,
         )
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        storage = KV_DTYPES[kv_dtype] if kv_dtype else dtype
+        self.keys = torch.zeros(shape, dtype=storage, device=device)
+        self.values = torch.zeros(shape, dtype=storage, device=device)
+        self.dtype, self.kv_dtype = dtype, kv_dtype
+        if kv_dtype:
+            heads = (config.num_layers, config.num_kv_heads)
+            self.key_offset = torch.zeros(*heads, config.head_dim, device=device)
+            self.key_scale = torch.ones(heads, device=device)
+            self.value_scale = torch.ones(heads, device=device)
         self.block_size = block_size
         self.device = torch.device(device)
         self.pool = BlockPool(num_blocks)
@@ -142,9 +168,11 @@ class PagedKVCache:
         self.prefix_queried = self.prefix_hits = 0  # prompt tokens looked up, and found
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str | None = None
+    ) -> int:
         """K and V of every layer for block_size tokens."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=KV_DTYPES[kv_dtype] if kv_dtype else dtype).element_size()
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
     @classmethod
@@ -153,8 +181,10 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """As many blocks as `budget_bytes` holds (e.g. what is left of `gpu_memory_utilization`
         of the GPU after the weights); ValueError naming the numbers if not one fits.
-        tensor_options: dtype and device, as for the constructor."""
-        per_block = cls.bytes_per_block(config, block_size, tensor_options["dtype"])
+        tensor_options: dtype, device and kv_dtype, as for the constructor."""
+        per_block = cls.bytes_per_block(
+            config, block_size, tensor_options["dtype"], tensor_options.get("kv_dtype")
+        )
         num_blocks = budget_bytes // per_block - 1  # the scratch block
         if num_blocks < 1:
             raise ValueError(
@@ -304,10 +334,13 @@ class PagedKVCache:
         keys, values = self.keys[layer], self.values[layer]
         heads, dim = keys.shape[-2:]
         flat = qkv.reshape(-1, qkv.shape[-1])
-        if use_triton(flat) and flat.dtype == keys.dtype:
+        if use_triton(flat) and flat.dtype == self.dtype:
+            quant = self._quant(layer)
             q = rotary_paged_write(
-                flat, cos, sin, keys, values, metadata.slot_mapping, heads_q=heads_q
-            )
+                flat, cos, sin, keys, values, metadata.slot_mapping, heads_q=heads_q,
+                **({"key_offset": quant[0], "k_scale": quant[1], "v_scale": quant[2]}
+                   if quant else {}),
+            )  # fmt: skip
             return q[None], keys, values
         tokens = flat.shape[0]
         q, k, v = flat.split([heads_q * dim, heads * dim, heads * dim], dim=-1)
@@ -325,8 +358,68 @@ class PagedKVCache:
         keys, values = self.keys[layer], self.values[layer]
         heads, dim = keys.shape[-2:]
         slots = metadata.slot_mapping
-        keys.view(-1, heads, dim).index_copy_(0, slots, k.reshape(-1, heads, dim).to(keys.dtype))
-        values.view(-1, heads, dim).index_copy_(
-            0, slots, v.reshape(-1, heads, dim).to(values.dtype)
-        )
+        k, v = k.reshape(-1, heads, dim).to(self.dtype), v.reshape(-1, heads, dim).to(self.dtype)
+        quant = self._quant(layer)
+        if quant:  # as rotary_paged_write stores them (its module docstring)
+            offset, k_scale, v_scale = quant
+            k = ((k.float() - offset) * (1 / k_scale)[:, None]).clamp(-FP8_MAX, FP8_MAX)
+            v = (v.float() * (1 / v_scale)[:, None]).clamp(-FP8_MAX, FP8_MAX)
+            # (index_copy_ has no fp8 kernel on a CPU: copy the bytes)
+            k, v = k.to(keys.dtype).view(torch.uint8), v.to(values.dtype).view(torch.uint8)
+            keys.view(torch.uint8).view(-1, heads, dim).index_copy_(0, slots, k)
+            values.view(torch.uint8).view(-1, heads, dim).index_copy_(0, slots, v)
+        else:
+            keys.view(-1, heads, dim).index_copy_(0, slots, k)
+            values.view(-1, heads, dim).index_copy_(0, slots, v)
         return keys, values
+
+    # -- fp8 ------------------------------------------------------------------------------------
+
+    def _quant(self, layer: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        if not self.kv_dtype:
+            return None
+        return self.key_offset[layer], self.key_scale[layer], self.value_scale[layer]
+
+    def kv_scales(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """Layer `layer`'s (k_scale, v_scale), (heads_kv,) each, for the kernels that read its
+        pools; None where the pools hold the compute dtype."""
+        return (self.key_scale[layer], self.value_scale[layer]) if self.kv_dtype else None
+
+    @torch.inference_mode()
+    def calibrate(self, model: torch.nn.Module, rows: Sequence[Sequence[int]]) -> None:
+        """Set the key offsets and the scales of an fp8 cache (module docstring) from `model`'s
+        keys and values over token `rows` (a few hundred tokens do: any text, or random ids),
+        computed in the compute dtype through a temporary cache. Call it before any sequence is
+        stored: the blocks already written would not match."""
+        if not self.kv_dtype:
+            raise ValueError("calibrate is for a quantized cache (kv_dtype='fp8')")
+        if self.tables:
+            raise ValueError(f"calibrate before storing sequences; {len(self.tables)} are stored")
+        if not rows or min(len(row) for row in rows) < 1:
+            raise ValueError("calibrate needs at least one row of at least one token")
+        from memfit.inference.paged import paged_step
+
+        blocks = sum(self._blocks_for(len(row)) for row in rows)
+        config = model.config
+        temp = PagedKVCache(
+            config, num_blocks=blocks, block_size=self.block_size, dtype=self.dtype,
+            device=self.device,
+        )  # fmt: skip
+        for index, row in enumerate(rows):
+            paged_step(model, temp, [index], [list(row)])
+        taken = []
+        for index, row in enumerate(rows):
+            table = torch.tensor(temp.tables[index], device=self.device)
+            taken.append(
+                (temp.keys[:, table].flatten(1, 2)[:, : len(row)].float(),
+                 temp.values[:, table].flatten(1, 2)[:, : len(row)].float())
+            )  # fmt: skip
+        keys = torch.cat([k for k, _ in taken], 1)  # (layers, tokens, heads, dim)
+        values = torch.cat([v for _, v in taken], 1)
+        self.key_offset.copy_(keys.mean(1))
+        for scale, x in (
+            (self.key_scale, keys - self.key_offset[:, None]),
+            (self.value_scale, values),
+        ):
+            amax = x.abs().amax(dim=(1, 3)).clamp(min=1e-6)
+            scale.copy_(torch.exp2(torch.ceil(torch.log2(HEADROOM * amax / FP8_MAX))))

@@ -154,7 +154,7 @@ class Attention(nn.Module):
             window, stride = self.paged_rule or (self.window, 0)
             y = MF.attention(
                 q, keys, values, causal=True, window=window, backend=self.backend,
-                metadata=metadata, stride=stride,
+                metadata=metadata, stride=stride, kv_scales=kv_cache.kv_scales(self.layer_index),
             )  # fmt: skip
             return self.out(y.reshape(batch, seqlen, self.num_heads * self.head_dim))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

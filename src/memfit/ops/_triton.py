@@ -158,7 +158,23 @@ if HAS_TRITON:
         bits += 0x7FFF + ((bits >> 16) & 1)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
-else:  # the kernels that call it are never launched without triton
+    @triton.jit
+    def round_to_e4m3(x):
+        """fp32 (within +-448) rounded to nearest even on fp8 e4m3's grid, still fp32: 3
+        mantissa bits, steps of 2^-9 below 2^-6. Used only under the interpreter, whose fp32 ->
+        fp8 cast drops the carry of a mantissa rounded up into the next binade (31.6 -> 16);
+        the cast of the rounded value is exact."""
+        exponent = (x.to(tl.uint32, bitcast=True) >> 23) & 0xFF
+        exponent = tl.maximum(exponent, 127 - 6)  # the subnormals' fixed step
+        step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+        magic = 12582912.0  # 1.5 * 2^23: adding it rounds |y| < 2^22 to an integer, ties even
+        rounded = ((tl.abs(x) / step + magic) - magic) * step
+        return tl.where(x < 0, -rounded, rounded)  # (a value rounded to 0 keeps its sign)
+
+else:  # the kernels that call them are never launched without triton
 
     def round_to_bf16(x):
         raise RuntimeError("round_to_bf16 needs triton")
+
+    def round_to_e4m3(x):
+        raise RuntimeError("round_to_e4m3 needs triton")

@@ -24,12 +24,14 @@ from memfit.ops._triton import (
     launch,
     pdl_enabled,
     round_to_bf16,
+    round_to_e4m3,
     tl,
     triton,
 )
 
 __all__ = ["rotary_paged_write"]
 
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
 _BLOCK_ELEMENTS = 2048  # elements of each half of head_dim per program, as the rotary kernel's
 
 
@@ -42,6 +44,9 @@ def _rotary_paged_write_kernel(
     q_out_ptr,
     k_pool_ptr,
     v_pool_ptr,
+    k_offset_ptr,
+    k_inv_scale_ptr,
+    v_inv_scale_ptr,
     num_tokens,
     heads_q,
     heads_kv,
@@ -58,6 +63,8 @@ def _rotary_paged_write_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr,
+    ROUND_FP8_BY_HAND: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (token block, head block): head blocks [0, q) are q's, [q, q + kv) k's, the rest
@@ -103,21 +110,38 @@ def _rotary_paged_write_kernel(
 
     slots = tl.load(slots_ptr + tokens, mask=token_ok, other=0)
     if is_q:
-        out_ptr = q_out_ptr
         rows = (tokens * heads_q)[:, None, None] + heads[None, :, None]
-        out_offsets = rows * (2 * HALF) + dims[None, None, :]
+        q_offsets = rows * (2 * HALF) + dims[None, None, :]
+        tl.store(q_out_ptr + q_offsets, out1.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_out_ptr + q_offsets + HALF, out2.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
-        out_ptr = tl.where(is_v, v_pool_ptr, k_pool_ptr)
+        pool_ptr = tl.where(is_v, v_pool_ptr, k_pool_ptr)
         stride_slot = tl.where(is_v, stride_v_slot, stride_k_slot)
         stride_head = tl.where(is_v, stride_v_head, stride_k_head)
-        out_offsets = (
+        pool_offsets = (
             (slots * stride_slot)[:, None, None]
             + (heads * stride_head)[None, :, None]
             + dims[None, None, :]
         )
-    out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + out_offsets, out1.to(out_dtype), mask=mask)
-    tl.store(out_ptr + out_offsets + HALF, out2.to(out_dtype), mask=mask)
+        kv1, kv2 = out1, out2
+        if QUANT:
+            # fp8 pools: the value in the compute dtype (what the plain path quantizes), less
+            # the key offset, times the inverse scale, saturated to e4m3's range
+            head_ok = heads < heads_kv
+            inv = tl.load(tl.where(is_v, v_inv_scale_ptr, k_inv_scale_ptr) + heads, mask=head_ok)
+            off_ptrs = k_offset_ptr + (heads * (2 * HALF))[None, :, None] + dims[None, None, :]
+            off_mask = head_ok[None, :, None] & (dims < HALF)[None, None, :]
+            off1 = tl.where(is_v, 0.0, tl.load(off_ptrs, mask=off_mask, other=0.0))
+            off2 = tl.where(is_v, 0.0, tl.load(off_ptrs + HALF, mask=off_mask, other=0.0))
+            compute = q_out_ptr.dtype.element_ty
+            kv1 = (kv1.to(compute).to(tl.float32) - off1) * inv[None, :, None]
+            kv2 = (kv2.to(compute).to(tl.float32) - off2) * inv[None, :, None]
+            kv1 = tl.minimum(tl.maximum(kv1, -FP8_MAX), FP8_MAX)
+            kv2 = tl.minimum(tl.maximum(kv2, -FP8_MAX), FP8_MAX)
+            if ROUND_FP8_BY_HAND:
+                kv1, kv2 = round_to_e4m3(kv1), round_to_e4m3(kv2)
+        tl.store(pool_ptr + pool_offsets, kv1.to(pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(pool_ptr + pool_offsets + HALF, kv2.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_paged_write(
@@ -129,6 +153,9 @@ def rotary_paged_write(
     slots: Tensor,
     *,
     heads_q: int,
+    key_offset: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Rotate q and k of `qkv` by the tables, write k and v to `slots` of the pools, return q.
 
@@ -138,6 +165,10 @@ def rotary_paged_write(
     head_dim contiguous; slots: (tokens,) int64, slot s = block s // block_size, offset
     s % block_size. Returns q rotated, (tokens, heads_q, head_dim) contiguous, qkv's dtype.
     Runs where Triton runs (the caller decides; the plain path is apply_rotary_qk + index_copy_).
+    fp8 pools (float8_e4m3fn, a quantized PagedKVCache) take key_offset (heads_kv, head_dim),
+    k_scale and v_scale (heads_kv,), fp32: k (rounded to qkv's dtype) is stored as
+    (k - key_offset) / k_scale and v as v / v_scale, saturated to +-448 (division as a product
+    by the inverse, exact for the powers of two PagedKVCache.calibrate picks).
     """
     tokens, width = qkv.shape
     _, _, heads_kv, head_dim = key_pool.shape
@@ -146,12 +177,30 @@ def rotary_paged_write(
             f"qkv of width {width} does not hold {heads_q} query and 2 x {heads_kv} key/value "
             f"heads of (even) head_dim {head_dim}"
         )
-    if value_pool.shape != key_pool.shape or {key_pool.dtype, value_pool.dtype} != {qkv.dtype}:
+    quant = key_pool.dtype == torch.float8_e4m3fn
+    if value_pool.shape != key_pool.shape or {key_pool.dtype, value_pool.dtype} != {
+        torch.float8_e4m3fn if quant else qkv.dtype
+    }:
         raise ValueError(
             f"key and value pools {tuple(key_pool.shape)} {key_pool.dtype} / "
             f"{tuple(value_pool.shape)} {value_pool.dtype} must match each other and qkv's dtype "
-            f"{qkv.dtype}"
+            f"{qkv.dtype} (or both be float8_e4m3fn)"
         )
+    if quant:
+        wanted = {
+            "key_offset": (heads_kv, head_dim),
+            "k_scale": (heads_kv,),
+            "v_scale": (heads_kv,),
+        }
+        given = {"key_offset": key_offset, "k_scale": k_scale, "v_scale": v_scale}
+        for name, shape in wanted.items():
+            t = given[name]
+            if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
+                got = None if t is None else (tuple(t.shape), t.dtype)
+                raise ValueError(f"fp8 pools need {name}: {shape} contiguous float32, got {got}")
+        extras = (key_offset, 1.0 / k_scale, 1.0 / v_scale)
+    else:
+        extras = (cos, cos, cos)  # (not read)
     if qkv.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
         raise ValueError("rotary_paged_write needs head_dim contiguous in qkv and the pools")
     if cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
@@ -176,11 +225,11 @@ def rotary_paged_write(
         raise ValueError("rotary_paged_write needs contiguous pools (one layer's, as allocated)")
     launch(
         _rotary_paged_write_kernel, grid, qkv.device,
-        qkv, cos, sin, slots, q, key_pool, value_pool, tokens, heads_q, heads_kv, q_blocks,
+        qkv, cos, sin, slots, q, key_pool, value_pool, *extras, tokens, heads_q, heads_kv, q_blocks,
         kv_blocks, qkv.stride(0), cos.stride(0), heads_kv * head_dim, head_dim,
         heads_kv * head_dim, head_dim,
         HALF=half, BLOCK_TOKENS=block_tokens, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
-        ROUND_BF16_BY_HAND=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16,
-        PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
+        ROUND_BF16_BY_HAND=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16, QUANT=quant,
+        ROUND_FP8_BY_HAND=qkv.device.type == "cpu", PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q

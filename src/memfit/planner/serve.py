@@ -171,9 +171,19 @@ def weight_bytes(config: ModelConfig, dtype: Any = "bf16") -> int:
     return ELEMENT_BYTES[dtype_name(dtype)] * config.spec.num_params
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: Any = "bf16") -> int:
-    """Keys and values of every layer for one token: 2 * L * kv_heads * head_dim * c."""
-    element = ELEMENT_BYTES[dtype_name(dtype)]
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""The KV cache in the model's dtype, or in fp8 e4m3 (one byte: PagedKVCache(kv_dtype="fp8"))."""
+
+
+def kv_bytes_per_token(
+    config: ModelConfig, dtype: Any = "bf16", kv_cache_dtype: str = "auto"
+) -> int:
+    """Keys and values of every layer for one token: 2 * L * kv_heads * head_dim * c (c = 1 for
+    an fp8 cache; its per-head scales and key offsets, L * kv_heads * (head_dim + 2) fp32, are
+    not counted: a few KiB)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    element = 1 if kv_cache_dtype == "fp8" else ELEMENT_BYTES[dtype_name(dtype)]
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
@@ -313,6 +323,8 @@ class ServePlan:
     """The pool's memory: num_blocks + SCRATCH_BLOCKS blocks (what the engine gives
     `PagedKVCache.from_budget`); 0 when not one block is left for sequences."""
     notes: list[str] = field(default_factory=list)
+    kv_cache_dtype: str = "auto"
+    quantize: str = "none"
 
     @property
     def cuda_graph_bytes(self) -> int:
@@ -440,6 +452,7 @@ class ServePlan:
                 "driver_bytes": self.cuda_graph_driver_bytes,
             },
             "kv": {
+                "dtype": self.kv_cache_dtype,
                 "bytes_per_token": self.kv_bytes_per_token,
                 "bytes_per_block": self.kv_bytes_per_block,
                 "pool_bytes": self.kv_pool_bytes,
@@ -482,6 +495,7 @@ def plan_serve(
     cuda_graph_batch_sizes: Sequence[int] | None = None,
     sampled_rows: int | None = None,
     quantize: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> ServePlan:
     """Plan serving `config` on `gpu` (a catalog GPU, its name, or its total memory in bytes,
     e.g. torch.cuda.mem_get_info()[1]): the memory of everything but the KV cache, and the pool
@@ -496,6 +510,8 @@ def plan_serve(
     quantize: the blocks' linear weights quantized ('int8', 'int4': memfit.nn.quant), counted as
     stored, plus the largest one dequantized in the dtype (a product of more than
     memfit.nn.quant.FUSED_MAX_ROWS rows makes that copy for cuBLAS, one layer at a time).
+    kv_cache_dtype: 'auto' (the KV cache in `dtype`) or 'fp8' (one byte an element: the same
+    memory holds twice the bf16 tokens).
     Never raises for a model that does not fit: see `.fits` and `.check_fits()`.
     """
     name, total = _gpu_memory(gpu)
@@ -539,7 +555,7 @@ def plan_serve(
         weights = frozen_model_bytes(config, dtype, quantize) + ELEMENT_BYTES[dtype] * max(
             linear.in_features * linear.out_features for linear in block_linears(config)
         )
-    per_token = kv_bytes_per_token(config, dtype)
+    per_token = kv_bytes_per_token(config, dtype, kv_cache_dtype)
     per_block = per_token * block_size
     budget = int(memory_fraction * total)
     runtime = CUBLAS_WORKSPACE_PER_HANDLE + slack + CUDA_CONTEXT_BYTES + KERNEL_MODULES_BYTES
@@ -585,6 +601,8 @@ def plan_serve(
         num_blocks=num_blocks,
         kv_pool_bytes=(num_blocks + SCRATCH_BLOCKS) * per_block if num_blocks else 0,
         notes=notes,
+        kv_cache_dtype=kv_cache_dtype,
+        quantize=quantize,
     )
 
 
@@ -597,7 +615,8 @@ def kv_pool_bytes(config: ModelConfig, gpu: GPU | str | int, **options: Any) -> 
 
 def serve_fixes(plan: ServePlan) -> list[tuple[str, ServePlan]]:
     """Single changes (CLI flags) that make a plan fit: a shorter --seq-len, a larger
-    --memory-fraction, a smaller step, no CUDA graphs, or the smallest catalog GPU that fits."""
+    --memory-fraction, a smaller step, no CUDA graphs, an fp8 KV cache, or the smallest catalog
+    GPU that fits."""
     candidates: list[tuple[str, dict]] = []
     if plan.num_blocks >= 1:
         candidates.append((f"--seq-len {plan.kv_tokens}", {"seq_len": plan.kv_tokens}))
@@ -609,6 +628,8 @@ def serve_fixes(plan: ServePlan) -> list[tuple[str, ServePlan]]:
         candidates.append(("--max-step-tokens 512", {"max_step_tokens": 512}))
     if plan.cuda_graph_batch_sizes:
         candidates.append(("--no-cuda-graphs", {"cuda_graph_batch_sizes": ()}))
+    if plan.kv_cache_dtype == "auto":
+        candidates.append(("--kv-cache-dtype fp8", {"kv_cache_dtype": "fp8"}))
     found = []
     for label, change in candidates:
         candidate = with_options(plan, **change)
@@ -636,6 +657,8 @@ def with_options(
         "seq_len": plan.seq_len,
         "cuda_graph_batch_sizes": plan.cuda_graph_batch_sizes,
         "sampled_rows": plan.sampled_rows,
+        "quantize": plan.quantize,
+        "kv_cache_dtype": plan.kv_cache_dtype,
     }
     gpu = gpu if gpu is not None else plan.gpu or plan.gpu_memory_bytes
     return plan_serve(plan.model, gpu, **{**options, **changes})

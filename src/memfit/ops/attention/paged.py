@@ -104,7 +104,7 @@ def _attend_pages(
             page = tl.load(table_row + cols // PAGE).to(tl.int64)
         within = cols % PAGE
         k_ptrs = K + (page * stride_kb + within * stride_kt)[:, None] + offs_d[None, :]
-        k = _load_tile(k_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D)
+        k = _load_tile(k_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D).to(q.dtype)
         qk = _dot(q, tl.trans(k), None, INTERPRET)
         if MASKED:
             if STRIDED:
@@ -121,8 +121,8 @@ def _attend_pages(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V + (page * stride_vb + within * stride_vt)[:, None] + offs_d[None, :]
-        v = _load_tile(v_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D)
-        acc = _dot(_to_dtype(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+        v = _load_tile(v_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D).to(q.dtype)
+        acc = _dot(_to_dtype(p, q.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -139,6 +139,8 @@ def _decode_kernel(
     PartAcc,
     PartM,
     PartL,
+    KScale,
+    VScale,
     block_table,
     seq_lens,
     query_start,
@@ -166,6 +168,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     MIXED: tl.constexpr,
     STRIDED: tl.constexpr,
+    SCALED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -188,6 +191,8 @@ def _decode_kernel(
     d_ok = offs_d[None, :] < HEAD_DIM
     q_ptrs = Q + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok, other=0.0)
+    if SCALED:  # a quantized cache: stored k = (k - offset) / k_scale (see PagedKVCache)
+        qk_scale = qk_scale * tl.load(KScale + kv_head)
 
     pos = seqlen - 1
     first = tl.maximum(pos - window + 1, 0)
@@ -218,6 +223,8 @@ def _decode_kernel(
             row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
             INTERPRET, True,
         )  # fmt: skip
+    if SCALED:  # stored v = v / v_scale, and the output is linear in v
+        acc = acc * tl.load(VScale + kv_head)
     if SPLIT:
         # partials of (sequence, head, split), laid out (sequences, heads_q, splits[, BLOCK_D])
         row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
@@ -282,6 +289,8 @@ def _chunk_kernel(
     K,
     V,
     Out,
+    KScale,
+    VScale,
     block_table,
     seq_lens,
     query_start,
@@ -309,6 +318,7 @@ def _chunk_kernel(
     PAGE: tl.constexpr,
     DECODES_APART: tl.constexpr,
     STRIDED: tl.constexpr,
+    SCALED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -347,6 +357,8 @@ def _chunk_kernel(
     heads = kv_head * GROUP + g
     q_ptrs = Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+    if SCALED:  # (as in the decode kernel)
+        qk_scale = qk_scale * tl.load(KScale + kv_head)
 
     row_pos = seqlen - q_len + token
     row_first = tl.maximum(row_pos - window + 1, 0)
@@ -387,6 +399,8 @@ def _chunk_kernel(
         mid_hi, hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N,
         PAGE, True, INTERPRET,
     )  # fmt: skip
+    if SCALED:
+        acc = acc * tl.load(VScale + kv_head)
     out = _to_dtype(acc / tl.where(row_ok, l_i, 1.0)[:, None], Out.dtype.element_ty, INTERPRET)
     o_ptrs = Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok)
@@ -403,6 +417,11 @@ def _chunk_kernel(
 # 32.1 -> 26.9, 32 of 1000-3000 54.3 -> 45.5, 128 of 2048 and 256 of 200-700 within 1%, batch
 # 1 at 4096 keys 11.1 -> 9.4 and at 512 5.0 -> 5.5 (the one loss).
 DECODE_CONFIGS = {64: (128, 4, 2), 128: (64, 4, 3)}
+# fp8 pools (half the bytes a key): D=128 takes 128-key tiles, the bytes of bf16's 64; an H100
+# sweep (`benchmarks/inference.py --parts kv_fp8 --sweep`), us against bf16 pools with theirs:
+# B=64 L=4096 289 vs 357, B=16 L=16384 258 vs 359, B=1 L=32768 44 vs 53, B=256 L=512 133 vs
+# 185 (bf16's config on fp8: 321, 266, 51, 144). D=64 keeps bf16's (147 vs 195 at B=128 L=2048).
+DECODE_CONFIGS_FP8 = {64: (128, 4, 2), 128: (128, 4, 3)}
 # Chunk, per padded head dim: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N, num_warps, num_stages).
 # D=128: the best of a sweep of 2048 new tokens over prefixes of 0-30k (H100). D=64: the same
 # H200 sweeps, each step also decoding 32 sequences, us a layer against (128, 32, 4, 3): 2048
@@ -451,6 +470,8 @@ def paged_attention(
     stride: int = 0,
     softmax_scale: float | None = None,
     num_splits: int | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a step's new tokens over a paged cache that already holds them.
 
@@ -463,6 +484,9 @@ def paged_attention(
     head_dim) in q's dtype. Sequences of one new token run the decode kernel, split
     `num_splits` ways (default: `decode_splits`); those of more the chunk kernel. `stride` S > 0
     (with a `window`): a strided pattern's summary columns S - 1, 2S - 1, ... are seen too.
+    A quantized cache (fp8 e4m3 pools, `PagedKVCache(kv_dtype="fp8")`) passes k_scale and
+    v_scale, (heads_kv,) fp32: each kv head's keys and values are stored divided by them (the
+    keys less a constant offset too, which changes no softmax); tiles are widened to q's dtype.
     """
     tokens, heads_q, head_dim = q.shape
     _, page, heads_kv, _ = key_pool.shape
@@ -477,11 +501,24 @@ def paged_attention(
         raise ValueError(
             f"stride must be 0 (none) or >= 2 beside a window, got stride {stride}, window {window}"
         )
+    scaled = k_scale is not None or v_scale is not None
+    if key_pool.dtype != value_pool.dtype or key_pool.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(
+            f"the pools ({key_pool.dtype}, {value_pool.dtype}) must both be q's dtype {q.dtype} "
+            "or float8_e4m3fn"
+        )
+    if scaled:
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is None or scale.shape != (heads_kv,) or scale.dtype != torch.float32:
+                got = None if scale is None else (tuple(scale.shape), scale.dtype)
+                raise ValueError(f"{name} must be ({heads_kv},) float32 with the other, got {got}")
     group = heads_q // heads_kv
     block_d = _next_pow2(head_dim)
     scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * LOG2E
     window = NO_WINDOW if window is None else window
     out = torch.empty_like(q)
+    if not scaled:
+        k_scale = v_scale = out  # (not read)
     interpret = interpreter_enabled()
     pdl = pdl_enabled(q.device)
     common = (q.stride(0), q.stride(1), *key_pool.stride()[:3], *value_pool.stride()[:3])
@@ -497,10 +534,11 @@ def paged_attention(
         grid = (-(-tokens // block_q) + num_seqs, heads_kv)
         launch(
             _chunk_kernel, grid, q.device,
-            q, key_pool, value_pool, out, block_table, seq_lens, query_start, num_seqs, *common,
+            q, key_pool, value_pool, out, k_scale, v_scale, block_table, seq_lens, query_start,
+            num_seqs, *common,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, DECODES_APART=num_seqs > 1,
-            STRIDED=stride > 0, INTERPRET=interpret, PDL=pdl, num_warps=warps,
+            STRIDED=stride > 0, SCALED=scaled, INTERPRET=interpret, PDL=pdl, num_warps=warps,
             num_stages=stages,
         )  # fmt: skip
         if num_seqs == 1:
@@ -512,7 +550,8 @@ def paged_attention(
     if interpret:
         block_n, warps, stages = _INTERPRET_BLOCK_N, 1, 1
     else:
-        block_n, warps, stages = DECODE_CONFIGS.get(block_d, DECODE_CONFIGS[128])
+        configs = DECODE_CONFIGS_FP8 if key_pool.dtype == torch.float8_e4m3fn else DECODE_CONFIGS
+        block_n, warps, stages = configs.get(block_d, configs[128])
     splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
     part = {}
     if splits > 1:
@@ -524,10 +563,12 @@ def paged_attention(
     mixed = not decodes_only
     launch(
         _decode_kernel, (num_seqs, heads_kv, splits), q.device,
-        q, key_pool, value_pool, out, acc, m, lse, block_table, seq_lens, query_start, *common,
+        q, key_pool, value_pool, out, acc, m, lse, k_scale, v_scale, block_table, seq_lens,
+        query_start, *common,
         splits, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, MIXED=mixed,
-        STRIDED=stride > 0, INTERPRET=interpret, PDL=pdl, num_warps=warps, num_stages=stages,
+        STRIDED=stride > 0, SCALED=scaled, INTERPRET=interpret, PDL=pdl, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         launch(
