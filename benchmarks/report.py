@@ -1092,6 +1092,45 @@ def quant_decode_table(run: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def kv_fp8_table(run: dict) -> str:
+    """benchmarks/inference.py --parts kv_fp8: the 256-request workload at a fixed KV pool with
+    a bf16 and an fp8 cache, and the decode kernel over either."""
+    kv = run["kv_fp8"]
+    lines = [
+        _env_line(run, "the engine's steps with CUDA graphs."),
+        "",
+        f"{kv['requests']} requests of {kv['new_tokens']} new tokens each (prompts of 64-512 "
+        f"tokens, seeded), {kv['model']} shapes with random weights, the KV pool fixed at "
+        f"{kv['kv_budget_gib']:g} GiB for both:",
+        "",
+        "| KV cache | pool (tokens) | tokens/s | steps | preemptions | peak GiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in ("bf16", "fp8"):
+        r = kv[name]
+        lines.append(
+            f"| {name} | {r['kv_tokens']:,} | {r['tokens_per_s']:,.0f} | {r['steps']:,} | "
+            f"{r['preemptions']} | {r['peak_gib']:.2f} |"
+        )
+    lines += [
+        "",
+        f"fp8 against bf16: {kv['kv_tokens_ratio']:.2f}x the tokens, "
+        f"{kv['fp8_over_bf16']:.2f}x the tokens/s.",
+        "",
+        "The decode kernel alone (GQA 32/8, head dim 128, 16-token pages, CUDA-graph replays), "
+        "ms (bytes of K and V read per second):",
+        "",
+        "| batch | context | bf16 pools | fp8 pools | fp8 vs bf16 |",
+        "|---|---|---|---|---|",
+    ]
+    for r in kv["kernel"]:
+        lines.append(
+            f"| {r['batch']} | {r['context']:,} | {r['bf16_ms']:.3f} ({r['bf16_tb_s']:.2f} TB/s) | "
+            f"{r['fp8_ms']:.3f} ({r['fp8_tb_s']:.2f} TB/s) | {r['fp8_speedup']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def _with_flex(run: dict) -> bool:
     return any(r["system"] == "flex" for r in run.get("records", []))
 
@@ -1166,6 +1205,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "sparse_train": ("sparse_attention_train", sparse_train_table, _has("records"), True),
     "sparse_decode": ("sparse_decode", sparse_decode_table, _has("records"), True),
     "quant_decode": ("quant_decode", quant_decode_table, _has("batch1"), True),
+    "kv_fp8": ("inference", kv_fp8_table, _has("kv_fp8"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 
