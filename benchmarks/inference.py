@@ -17,11 +17,12 @@
   against Hugging Face transformers' continuous batching (`generate_batch`, paged), both warm
   (the second call is timed). Also the KV waste of memfit's run, sampled each step:
   (slots of the allocated blocks - tokens stored) / slots of the allocated blocks.
-- kv_fp8: an fp8 KV cache against bf16 (`LLM(kv_cache_dtype="fp8")`): the throughput workload
-  above with the KV pool fixed at --kv-budget-gib for both (the fp8 pool holds twice the
-  tokens, so more requests run at once), tokens/s, steps and preemptions; and the decode
-  kernel alone over fp8 and bf16 pools (the KERNEL_CASES with head dim 128), time and the
-  bytes it reads per second; with --sweep, the fp8 decode configurations (DECODE_CONFIGS_FP8).
+- kv_fp8: fp8 and int8 KV caches against bf16 (`LLM(kv_cache_dtype=...)`): the throughput workload
+  above with the KV pool fixed at --kv-budget-gib for each (a one-byte pool holds about twice
+  the tokens, so more requests run at once), tokens/s, steps and preemptions; and the decode
+  kernel alone over fp8, int8 and bf16 pools (the KERNEL_CASES with head dim 128), time and
+  the bytes it reads per second; with --sweep, the decode configurations over one-byte pools
+  (DECODE_CONFIGS_FP8, DECODE_CONFIGS_INT8).
 - batch1: one prompt of 128 tokens, 256 new tokens, tokens/s and time per token, against the
   limit of reading the weights and the KV cache once per token at the measured copy bandwidth,
   for llama-3.2-1b and llama-3-8b shapes.
@@ -307,35 +308,56 @@ FP8_SWEEP_CONFIGS = [(64, 4, 3), (64, 2, 3), (64, 4, 4), (128, 2, 3), (128, 4, 2
 
 
 def _fp8_sweep(device: torch.device) -> list[dict]:
-    """The decode kernel over fp8 pools under each of FP8_SWEEP_CONFIGS (BLOCK_N, warps,
-    stages), against bf16 pools under their own configuration."""
+    """The decode kernel over fp8 and int8 pools under each of FP8_SWEEP_CONFIGS (BLOCK_N,
+    warps, stages), against bf16 pools under their own configuration."""
     return [row for case in FP8_SWEEP_CASES for row in _fp8_sweep_case(*case, device=device)]
+
+
+def _one_byte_pools(key_pool, value_pool, kind):
+    """(pools, scales) as a quantized cache of `kind` stores `key_pool` and `value_pool`: fp8
+    at one scale a head (0.25), int8 at one a token and head (fp16)."""
+    if kind == "fp8":
+        scales = torch.full((key_pool.shape[2],), 0.25, device=key_pool.device)
+        return [(x.float() / 0.25).to(torch.float8_e4m3fn) for x in (key_pool, value_pool)], [
+            scales,
+            scales,
+        ]
+    pools, scales = [], []
+    for x in (key_pool, value_pool):
+        scale = (x.float().abs().amax(-1) / 127).clamp_min(1e-4).half()
+        pools.append((x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8))
+        scales.append(scale)
+    return pools, scales
 
 
 def _fp8_sweep_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> list[dict]:
     q, key_pool, value_pool, _, metadata = _paged_case(
         batch, context, heads_q, heads_kv, head_dim, 16, device
     )
-    scales = torch.full((heads_kv,), 0.25, device=device)
-    k8 = (key_pool.float() / 0.25).to(torch.float8_e4m3fn)
-    v8 = (value_pool.float() / 0.25).to(torch.float8_e4m3fn)
 
     def bf16():
         return paged_ops.paged_attention(q, key_pool, value_pool, **metadata)
 
-    def fp8():
-        return paged_ops.paged_attention(q, k8, v8, **metadata, k_scale=scales, v_scale=scales)
-
     t_bf16, rows = graph_seconds(bf16), []
-    default = paged_ops.DECODE_CONFIGS_FP8[head_dim]
-    for config in FP8_SWEEP_CONFIGS:
-        paged_ops.DECODE_CONFIGS_FP8[head_dim] = config
-        t = graph_seconds(fp8)
-        rows.append({"batch": batch, "context": context, "head_dim": head_dim,
-                     "config": list(config), "fp8_us": t * 1e6, "bf16_us": t_bf16 * 1e6})  # fmt: skip
-        print(f"fp8 sweep B={batch} L={context} D={head_dim} {config}: {t * 1e6:.1f} us "
-              f"(bf16 {t_bf16 * 1e6:.1f})", flush=True)  # fmt: skip
-    paged_ops.DECODE_CONFIGS_FP8[head_dim] = default
+    for kind in ("fp8", "int8"):
+        pools, (k_scale, v_scale) = _one_byte_pools(key_pool, value_pool, kind)
+        table = paged_ops.DECODE_CONFIGS_FP8 if kind == "fp8" else paged_ops.DECODE_CONFIGS_INT8
+        default = table[head_dim]
+
+        def run(pools=pools, k_scale=k_scale, v_scale=v_scale):
+            return paged_ops.paged_attention(
+                q, *pools, **metadata, k_scale=k_scale, v_scale=v_scale
+            )
+
+        for config in FP8_SWEEP_CONFIGS:
+            table[head_dim] = config
+            t = graph_seconds(run)
+            rows.append({"batch": batch, "context": context, "head_dim": head_dim, "kind": kind,
+                         "config": list(config), f"{kind}_us": t * 1e6,
+                         "bf16_us": t_bf16 * 1e6})  # fmt: skip
+            print(f"{kind} sweep B={batch} L={context} D={head_dim} {config}: {t * 1e6:.1f} us "
+                  f"(bf16 {t_bf16 * 1e6:.1f})", flush=True)  # fmt: skip
+        table[head_dim] = default
     return rows
 
 
@@ -348,14 +370,14 @@ def kv_fp8(
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     result = {"model": "llama-3.2-1b", "requests": requests, "new_tokens": new_tokens,
               "kv_budget_gib": budget_gib}  # fmt: skip
-    for kind in ("auto", "fp8"):
+    for kind in ("auto", "fp8", "int8"):
         llm = LLM(
             "llama-3.2-1b", device=device, kv_cache_bytes=int(budget_gib * GiB),
             kv_cache_dtype=kind,
         )  # fmt: skip
         row = _engine_run(llm, prompts, params)
         row["kv_tokens"] = llm.cache.pool.num_blocks * llm.cache.block_size
-        result["bf16" if kind == "auto" else "fp8"] = row
+        result["bf16" if kind == "auto" else kind] = row
         print(
             f"KV {kind}: {row['tokens_per_s']:,.0f} tokens/s, pool {row['kv_tokens']:,} tokens, "
             f"{row['preemptions']} preemptions, {row['steps']} steps",
@@ -364,8 +386,10 @@ def kv_fp8(
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    result["fp8_over_bf16"] = result["fp8"]["tokens_per_s"] / result["bf16"]["tokens_per_s"]
+    for kind in ("fp8", "int8"):
+        result[f"{kind}_over_bf16"] = result[kind]["tokens_per_s"] / result["bf16"]["tokens_per_s"]
     result["kv_tokens_ratio"] = result["fp8"]["kv_tokens"] / result["bf16"]["kv_tokens"]
+    result["int8_kv_tokens_ratio"] = result["int8"]["kv_tokens"] / result["bf16"]["kv_tokens"]
     result["kernel"] = [
         _fp8_kernel_case(*case, device=device) for case in KERNEL_CASES if case[4] == 128
     ]
@@ -375,13 +399,12 @@ def kv_fp8(
 
 
 def _fp8_kernel_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> dict:
-    """The decode kernel over fp8 pools against the same kernel over bf16 ones (CUDA graphs)."""
+    """The decode kernel over fp8 and int8 pools against the same kernel over bf16 ones (CUDA
+    graphs)."""
     q, key_pool, value_pool, _, metadata = _paged_case(
         batch, context, heads_q, heads_kv, head_dim, 16, device
     )
-    scales = torch.full((heads_kv,), 0.25, device=device)
-    k8 = (key_pool.float() / 0.25).to(torch.float8_e4m3fn)
-    v8 = (value_pool.float() / 0.25).to(torch.float8_e4m3fn)
+    (k8, v8), (scales, _) = _one_byte_pools(key_pool, value_pool, "fp8")
     widened = paged_ops.paged_attention(q, k8.to(q.dtype) * 0.25, v8.to(q.dtype) * 0.25, **metadata)
 
     def bf16():
@@ -390,19 +413,35 @@ def _fp8_kernel_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> 
     def fp8():
         return paged_ops.paged_attention(q, k8, v8, **metadata, k_scale=scales, v_scale=scales)
 
+    i8, token_scales = _one_byte_pools(key_pool, value_pool, "int8")
+    widened_i8 = paged_ops.paged_attention(
+        q, *(x.to(q.dtype) * s[..., None].to(q.dtype) for x, s in zip(i8, token_scales, strict=True)),
+        **metadata,
+    )  # fmt: skip
+
+    def int8():
+        return paged_ops.paged_attention(
+            q, *i8, **metadata, k_scale=token_scales[0], v_scale=token_scales[1]
+        )
+
     err = (fp8().float() - widened.float()).abs().max().item()
-    t_bf16, t_fp8 = graph_seconds(bf16), graph_seconds(fp8)
+    err_i8 = (int8().float() - widened_i8.float()).abs().max().item()
+    t_bf16, t_fp8, t_i8 = graph_seconds(bf16), graph_seconds(fp8), graph_seconds(int8)
     elements = 2 * batch * context * heads_kv * head_dim
+    scale_bytes = 2 * batch * context * heads_kv * 2
     row = {
         "batch": batch, "context": context, "heads_q": heads_q, "heads_kv": heads_kv,
         "head_dim": head_dim, "bf16_ms": t_bf16 * 1e3, "fp8_ms": t_fp8 * 1e3,
         "bf16_tb_s": 2 * elements / t_bf16 / 1e12, "fp8_tb_s": elements / t_fp8 / 1e12,
         "fp8_speedup": t_bf16 / t_fp8, "max_abs_diff_vs_widened": err,
+        "int8_ms": t_i8 * 1e3, "int8_tb_s": (elements + scale_bytes) / t_i8 / 1e12,
+        "int8_speedup": t_bf16 / t_i8, "int8_max_abs_diff_vs_widened": err_i8,
     }  # fmt: skip
     print(
         f"decode B={batch} L={context}: bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms "
-        f"({row['fp8_speedup']:.2f}x, {row['fp8_tb_s']:.2f} TB/s), max diff vs the widened pools "
-        f"{err:.1e}",
+        f"({row['fp8_speedup']:.2f}x, {row['fp8_tb_s']:.2f} TB/s), int8 {row['int8_ms']:.3f} ms "
+        f"({row['int8_speedup']:.2f}x, {row['int8_tb_s']:.2f} TB/s), max diff vs the widened "
+        f"pools {err:.1e} / {err_i8:.1e}",
         flush=True,
     )
     return row

@@ -15,10 +15,10 @@ else Python's license), its first --calibration tokens in rows of 256.
 Perplexity: exp of the mean next-token loss over the first --tokens tokens, in windows of
 --window tokens (each window's first token predicted from nothing is not scored).
 
---kv fp8: the KV cache's cost, weights in bf16: each window runs as one prefill through the paged
-engine's path (memfit.inference.PagedKVCache, then attention reads every key back from the
-cache), with the cache in the compute dtype and in fp8, the fp8 cache calibrated as
-`LLM(kv_cache_dtype="fp8")` calibrates it (KV_CALIBRATION_ROWS rows of random ids). Token
+--kv fp8 int8: the KV caches' cost, weights in bf16: each window runs as one prefill through
+the paged engine's path (memfit.inference.PagedKVCache, then attention reads every key back from
+the cache), with the cache in the compute dtype, in fp8 and in int8, each calibrated as
+`LLM(kv_cache_dtype=...)` calibrates it (KV_CALIBRATION_ROWS rows of random ids). Token
 agreement: greedy continuations (--agreement-tokens new tokens) of --agreement-prompts prompts
 cut from the text, through the engine with each cache: the share of positions whose token
 equals the full-precision cache's, and of tokens before the first difference; for scale, the
@@ -26,7 +26,7 @@ same agreement of the whole model run in bf16.
 
     python benchmarks/quant_quality.py                    # bf16, int8, int4, int4-awq
     python benchmarks/quant_quality.py --tokens 2048      # quicker
-    python benchmarks/quant_quality.py --kinds --kv fp8   # the KV cache only
+    python benchmarks/quant_quality.py --kinds --kv fp8 int8   # the KV caches only
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ from memfit.inference import PagedKVCache, SamplingParams, generate_paged  # noq
 from memfit.inference.llm import KV_CALIBRATION_ROWS  # noqa: E402
 from memfit.models.loading import load_pretrained  # noqa: E402
 from memfit.nn.awq import awq_scale  # noqa: E402
+from memfit.nn.gptq import gptq  # noqa: E402
 from memfit.nn.quant import quantize_model  # noqa: E402
 from tests.real_model import english_text, smollm2_checkpoint  # noqa: E402
 
 
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, ids: list[int], window: int, kv_dtype=False) -> float:
-    """kv_dtype False: plain forwards; None or 'fp8': through a paged cache of that kind."""
+    """kv_dtype False: plain forwards; None, 'fp8' or 'int8': through a paged cache of that
+    kind."""
     rows = torch.tensor(ids[: len(ids) // window * window]).view(-1, window)
     total = 0.0
     for row in rows:
@@ -68,20 +70,22 @@ _CALIBRATED: dict = {}
 
 
 def _cache(model, tokens: int, kv_dtype: str | None) -> PagedKVCache:
-    """A paged cache for `tokens` tokens; fp8 calibrated as LLM does it (once per model)."""
+    """A paged cache for `tokens` tokens; a quantized one calibrated as LLM does it (once per
+    model and kind)."""
     dtype = next(model.parameters()).dtype
     cache = PagedKVCache(
         model.config, num_blocks=-(-tokens // 16) + 1, block_size=16, dtype=dtype,
         device="cpu", kv_dtype=kv_dtype,
     )  # fmt: skip
     if kv_dtype:
-        if id(model) not in _CALIBRATED:
+        key = (id(model), kv_dtype)
+        if key not in _CALIBRATED:
             rows, length = KV_CALIBRATION_ROWS
             generator = torch.Generator().manual_seed(0)
             ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=generator)
             cache.calibrate(model, ids.tolist())
-            _CALIBRATED[id(model)] = cache.key_offset, cache.key_scale, cache.value_scale
-        cache.key_offset, cache.key_scale, cache.value_scale = _CALIBRATED[id(model)]
+            _CALIBRATED[key] = cache.key_offset, cache.key_scale, cache.value_scale
+        cache.key_offset, cache.key_scale, cache.value_scale = _CALIBRATED[key]
     return cache
 
 
@@ -102,22 +106,31 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     return {"agreement": same / total, "before_first_difference": before / total}
 
 
+CALIBRATION_LICENSES = ("Apache-2.0", "MPL-2.0", "MPL-1.1", "Artistic", "CC0-1.0", "BSD")
+
+
 def _calibration_text() -> tuple[str, str]:
+    """The licenses Debian ships that are not GNU ones (none shares text with the GPL-3 that is
+    scored), one after another; else Python's LICENSE.txt."""
     import sysconfig
 
-    for path in (
-        Path("/usr/share/common-licenses/Apache-2.0"),
-        Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt",
-    ):
-        if path.is_file():
-            return path.read_text(encoding="utf-8", errors="replace"), str(path)
-    raise FileNotFoundError("no calibration text (Apache-2.0 or Python's LICENSE.txt)")
+    licenses = Path("/usr/share/common-licenses")
+    paths = [licenses / name for name in CALIBRATION_LICENSES if (licenses / name).is_file()]
+    if paths:
+        text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+        return text, ", ".join(map(str, paths))
+    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace"), str(path)
+    raise FileNotFoundError("no calibration text (Debian's common licenses or Python's)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", nargs="*", default=["bf16", "int8", "int4", "int4-awq"])
-    parser.add_argument("--kv", nargs="*", default=["fp8"], help="KV cache kinds to measure")
+    parser.add_argument(
+        "--kv", nargs="*", default=["fp8", "int8"], help="KV cache kinds to measure"
+    )
     parser.add_argument("--agreement-prompts", type=int, default=8)
     parser.add_argument("--agreement-tokens", type=int, default=64)
     parser.add_argument("--calibration", type=int, default=1024)
@@ -144,16 +157,17 @@ def main() -> None:
             p.numel() * 2 for n, p in model.layers.named_parameters() if n.endswith("weight")
         )
         row = {"weights": kind}
-        if kind == "int4-awq":
-            ids_cal = info.tokenizer.encode(calibration_text)[: args.calibration]
-            cal = torch.tensor(ids_cal[: len(ids_cal) // 256 * 256]).view(-1, 256)
-            report = awq_scale(model, cal, "int4")
+        ids_cal = info.tokenizer.encode(calibration_text)[: args.calibration]
+        cal = torch.tensor(ids_cal[: len(ids_cal) // 256 * 256]).view(-1, 256)
+        if "awq" in kind:
+            report = awq_scale(model, cal, kind.split("-")[0])
             row["alphas"] = [layer.alpha for layer in report]
             row["layer_error_vs_rtn"] = sum(r.error for r in report) / sum(
                 r.error_rtn for r in report
             )
+        states = gptq(model, cal, kind.split("-")[0]) if "gptq" in kind else None
         if kind != "bf16":
-            weights = quantize_model(model, kind.split("-")[0], dtype=torch.float32)
+            weights = quantize_model(model, kind.split("-")[0], dtype=torch.float32, states=states)
         start = time.perf_counter()
         ppl = perplexity(model, ids, args.window)
         row |= {

@@ -135,8 +135,9 @@ def attention(
     tokens flattened (1, tokens, heads_q, head_dim), each attending to its own sequence's blocks
     up to its position: the "paged" backend runs; there `stride` S > 0 beside a `window` also
     shows each query the summary columns S - 1, 2S - 1, ... (a strided sparse pattern), and
-    `kv_scales` (k_scale, v_scale), (heads_kv,) each, says the pools are an fp8 cache's
-    (memfit.inference.PagedKVCache(kv_dtype="fp8")), stored divided by them.
+    `kv_scales` (k_scale, v_scale) says the pools are a quantized cache's, stored divided by
+    them: fp8's (heads_kv,) each, int8's per token (num_blocks, block_size, heads_kv)
+    (memfit.inference.PagedKVCache.kv_scales).
     backend: a registered name: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa
     (torch's fused attention), eager (materializes the scores; a reference), or auto
     (`resolve_attention`).
@@ -167,7 +168,7 @@ def attention(
         paged["stride"] = stride
     if kv_scales is not None:
         if backend != "paged":
-            raise ValueError("kv_scales (an fp8 cache's) take a paged cache")
+            raise ValueError("kv_scales (a quantized cache's) take a paged cache")
         paged["kv_scales"] = kv_scales
     return kernel(q, k, v, causal=causal, window=window, mask=mask, metadata=metadata, **paged)
 
@@ -249,9 +250,14 @@ def _paged_reference(
     table = metadata.block_table[metadata.seq_index]  # (T, max_blocks)
     keys = key_pool[table].flatten(1, 2)  # (T, S, nkv, hs)
     values = value_pool[table].flatten(1, 2)
-    if kv_scales is not None:  # an fp8 cache's: widened and scaled back (the key offset stays)
-        keys = (keys.float() * kv_scales[0][:, None]).to(q.dtype)
-        values = (values.float() * kv_scales[1][:, None]).to(q.dtype)
+    if kv_scales is not None:  # a quantized cache's: widened, scaled back (the key offset stays)
+        k_scale, v_scale = kv_scales
+        if k_scale.ndim == 3:  # int8's per-token scales, (blocks, block_size, heads_kv)
+            k_scale, v_scale = (x[table].flatten(1, 2).float()[..., None] for x in kv_scales)
+        else:
+            k_scale, v_scale = k_scale[:, None], v_scale[:, None]
+        keys = (keys.float() * k_scale).to(q.dtype)
+        values = (values.float() * v_scale).to(q.dtype)
     key_positions = torch.arange(keys.shape[1], device=q.device)
     positions = metadata.positions[:, None]
     allowed = key_positions[None, :] <= positions  # (T, S)

@@ -82,16 +82,17 @@ def test_pipelined_sampling_equals_unpipelined_steps(monkeypatch):
     torch.testing.assert_close(results[0][0][1], results[1][0][1])
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_fp8_cache_in_graphs_gives_the_eager_tokens_and_close_logits(dtype):
+def test_a_quantized_cache_in_graphs_gives_the_eager_tokens_and_close_logits(dtype, kind):
     model = build_model(PRESETS["tiny"], device="cuda", seed=0).to(dtype).eval()
     steps, lengths = 16, (3, 9, 5, 40, 1, 17)
     batch = prompts(lengths)
     calibration = [list(range(7, 71)), list(range(100, 164))]
 
-    def fp8_cache():
+    def quantized_cache():
         cache = PagedKVCache(
-            model.config, num_blocks=64, block_size=4, dtype=dtype, device="cuda", kv_dtype="fp8"
+            model.config, num_blocks=64, block_size=4, dtype=dtype, device="cuda", kv_dtype=kind
         )
         cache.calibrate(model, calibration)
         return cache
@@ -99,31 +100,35 @@ def test_an_fp8_cache_in_graphs_gives_the_eager_tokens_and_close_logits(dtype):
     outputs = {}
     for graphs in (False, True):
         engine = Engine(
-            model, fp8_cache(), max_step_tokens=2048, max_running=8, max_seq_len=80,
+            model, quantized_cache(), max_step_tokens=2048, max_running=8, max_seq_len=80,
             cuda_graphs=graphs,
         )  # fmt: skip
         for prompt in batch:
             engine.add(prompt, SamplingParams(max_tokens=steps))
         outputs[graphs] = engine.run()
     assert outputs[True] == outputs[False]
-    # a prefill's logits through the fp8 cache against a full-precision one: a few percent apart
-    # (the random tiny model's near-flat logits make greedy continuations a poor measure here;
-    # CPU: test_kv_fp8.py; a real model's agreement: benchmarks/quant_quality.py --kv fp8)
+    # a prefill's logits through the quantized cache against a full-precision one: a few percent
+    # apart (the random tiny model's near-flat logits make greedy continuations a poor measure
+    # here; CPU: test_kv_quant.py; a real model's agreement: benchmarks/quant_quality.py --kv)
     full = PagedKVCache(model.config, num_blocks=64, block_size=4, dtype=dtype, device="cuda")
     want = paged_step(model, full, list(range(len(batch))), batch).float()
-    got = paged_step(model, fp8_cache(), list(range(len(batch))), batch).float()
+    got = paged_step(model, quantized_cache(), list(range(len(batch))), batch).float()
     assert (got - want).norm() / want.norm() < 0.05
 
 
-def test_llm_with_an_fp8_cache_holds_twice_the_blocks():
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_llm_with_a_quantized_cache_holds_twice_the_blocks(kind):
     gc.collect()
     full = LLM("tiny", memory_fraction=0.3, max_running=16)
     blocks = full.cache.pool.num_blocks
     del full
     gc.collect()
     torch.cuda.empty_cache()
-    llm = LLM("tiny", memory_fraction=0.3, max_running=16, kv_cache_dtype="fp8")
-    # (within 1%: what the first LLM leaves allocated counts against the second's budget)
-    assert abs(llm.cache.pool.num_blocks - 2 * blocks) <= 0.01 * blocks
+    llm = LLM("tiny", memory_fraction=0.3, max_running=16, kv_cache_dtype=kind)
+    # (within 1%: what the first LLM leaves allocated counts against the second's budget; int8
+    # keeps an fp16 scale a token and head beside each head_dim bytes)
+    config = llm.config
+    ratio = 2 if kind == "fp8" else 2 * config.head_dim / (config.head_dim + 2)
+    assert abs(llm.cache.pool.num_blocks - ratio * blocks) <= 0.01 * blocks
     outputs = llm.generate(prompts((5, 30, 2)), SamplingParams(max_tokens=20), progress=False)
     assert [len(o.token_ids) for o in outputs] == [20, 20, 20]

@@ -74,14 +74,25 @@ def paged_reference(
     return out
 
 
-def quantize_pools(key_pool, value_pool, seed=0):
-    """fp8 pools as a quantized PagedKVCache stores them: each kv head's keys (less an
-    offset) and values divided by a scale of its own. Returns the fp8 pools, the scales and the
-    values they stand for (fp32; the keys without the offset, which changes no softmax)."""
+def quantize_pools(key_pool, value_pool, seed=0, kind="fp8"):
+    """Pools as a quantized PagedKVCache stores them: fp8, each kv head's keys (less an offset)
+    and values divided by a scale of its own; int8, each token's and head's divided by its own
+    (fp16) and rounded. Returns the stored pools, the scales and the values they stand for
+    (fp32; the keys without the offset, which changes no softmax)."""
     generator = torch.Generator(device="cpu").manual_seed(seed + 1)
     heads_kv, head_dim = key_pool.shape[2:]
-    scales = (torch.rand(2, heads_kv, generator=generator) * 1.5 + 0.02).to(key_pool.device)
     offset = torch.randn(heads_kv, head_dim, generator=generator).to(key_pool.device)
+    if kind == "int8":
+        stored, scales, meant = [], [], []
+        for x in (key_pool.float() - offset, value_pool.float()):
+            scale = (x.abs().amax(-1) / 127).half()
+            scale = torch.where(scale > 0, scale, 1.0).half()
+            q = (x / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+            stored.append(q)
+            scales.append(scale.contiguous())
+            meant.append(q.float() * scale.float()[..., None])
+        return *stored, *scales, *meant
+    scales = (torch.rand(2, heads_kv, generator=generator) * 1.5 + 0.02).to(key_pool.device)
     stored_k = ((key_pool.float() - offset) / scales[0][:, None]).to(torch.float8_e4m3fn)
     stored_v = (value_pool.float() / scales[1][:, None]).to(torch.float8_e4m3fn)
     meant_k = stored_k.float() * scales[0][:, None]
@@ -91,16 +102,16 @@ def quantize_pools(key_pool, value_pool, seed=0):
 
 def check_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, *,
                 window=None, stride=0, num_splits=None, floor=1e-6, seed=0,
-                fp8=False):  # fmt: skip
-    """fp8: the pools quantized (`quantize_pools`), the reference reading the values they
-    stand for."""
+                kv=None):  # fmt: skip
+    """kv 'fp8' or 'int8': the pools quantized (`quantize_pools`), the reference reading the
+    values they stand for."""
     q, key_pool, value_pool, metadata = make_paged(
         query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, seed
     )
     scales = {}
-    if fp8:
+    if kv:
         stored_k, stored_v, k_scale, v_scale, key_pool, value_pool = quantize_pools(
-            key_pool, value_pool, seed
+            key_pool, value_pool, seed, kv
         )
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         out = paged_attention(

@@ -100,18 +100,21 @@ def test_bad_block_size():
         check_paged([1], [5], 2, 2, 32, 12, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_pools_decode(dtype, num_splits):
-    # a quantized cache's pools: fp8 tiles widened in the kernel, the scales folded in
+def test_quantized_pools_decode(dtype, num_splits, kv):
+    # a quantized cache's pools: one-byte tiles widened in the kernel, fp8's per-head scales
+    # folded in, int8's per-token ones on each key's scores and each value's weights
     check_paged([1] * 4, [1, 37, 70, 16], 8, 2, 64, 16, dtype, "cpu", num_splits=num_splits,
-                fp8=True)  # fmt: skip
+                kv=kv)  # fmt: skip
 
 
-def test_fp8_pools_chunks_window_and_stride():
-    check_paged([5, 1, 20], [40, 33, 20], 8, 2, 48, 8, torch.bfloat16, "cpu", fp8=True)
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_pools_chunks_window_and_stride(kv):
+    check_paged([5, 1, 20], [40, 33, 20], 8, 2, 48, 8, torch.bfloat16, "cpu", kv=kv)
     check_paged([5, 1], [40, 70], 4, 4, 64, 16, torch.bfloat16, "cpu", window=9, stride=8,
-                fp8=True)  # fmt: skip
+                kv=kv)  # fmt: skip
 
 
 def test_fp8_pools_refuse_missing_or_misshaped_scales():
@@ -123,3 +126,8 @@ def test_fp8_pools_refuse_missing_or_misshaped_scales():
         paged_attention(q, *fp8, **metadata, k_scale=torch.ones(3), v_scale=torch.ones(2))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         paged_attention(q, key_pool.to(torch.float16), value_pool, **metadata)
+    int8 = key_pool.to(torch.int8), value_pool.to(torch.int8)
+    with pytest.raises(ValueError, match="need k_scale and v_scale"):
+        paged_attention(q, *int8, **metadata)
+    with pytest.raises(ValueError, match=r"k_scale must be \(.*\) torch.float16"):
+        paged_attention(q, *int8, **metadata, k_scale=torch.ones(2), v_scale=torch.ones(2))

@@ -52,10 +52,12 @@ def test_strided_summary_columns(stride, window):
                 stride=stride)  # fmt: skip
 
 
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_pools(dtype):
+def test_quantized_pools(dtype, kv):
     lengths = [1, 17, 300, 4097, 16500]
-    check_paged([1] * len(lengths), lengths, 32, 8, 128, 16, dtype, "cuda", fp8=True)
-    check_paged([700, 1, 257], [700, 5000, 17000], 32, 8, 128, 16, dtype, "cuda", fp8=True)
+    check_paged([1] * len(lengths), lengths, 32, 8, 128, 16, dtype, "cuda", kv=kv)
+    check_paged([700, 1, 257], [700, 5000, 17000], 32, 8, 128, 16, dtype, "cuda", kv=kv)
     check_paged([300, 1], [5000, 700], 32, 8, 128, 16, dtype, "cuda", window=100, stride=64,
-                fp8=True)  # fmt: skip
+                kv=kv)  # fmt: skip
+    check_paged([1, 1, 9], [33, 2000, 61], 12, 4, 64, 16, dtype, "cuda", kv=kv)  # D=64

@@ -107,5 +107,51 @@ def test_fp8_pools_equal_the_plain_quantization(tokens, heads_q, heads_kv, head_
 def test_fp8_pools_need_offset_and_scales():
     qkv, cos, sin, slots, _ = _case(3, 4, 2, 32, torch.float32, "cpu")
     pools = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]
-    with pytest.raises(ValueError, match="fp8 pools need key_offset"):  # (before any launch)
+    with pytest.raises(ValueError, match="pools need key_offset"):  # (before any launch)
         rotary_paged_write(qkv, cos, sin, *pools, slots, heads_q=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads_q,heads_kv,head_dim", [(5, 8, 2, 128), (19, 6, 2, 32)])
+def test_int8_pools_store_each_tokens_scale(tokens, heads_q, heads_kv, head_dim, dtype, device):
+    # an int8 cache's write: per token and kv head, the scale of its largest |value| (keys less
+    # the offset) in fp16 beside it, the values rounded to nearest; so each stored vector is
+    # within half a level of what it stands for and uses the full range
+    qkv, cos, sin, slots, _ = _case(tokens, heads_q, heads_kv, head_dim, dtype, device)
+    qkv[0, heads_q * head_dim] = 1e4  # one large key: its token's scale follows it
+    generator = torch.Generator().manual_seed(1)
+    offset = torch.randn(heads_kv, head_dim, generator=generator).to(device)
+    pools = [torch.zeros(40, 16, heads_kv, head_dim, dtype=torch.int8, device=device) for _ in "kv"]
+    scales = [torch.ones(40, 16, heads_kv, dtype=torch.float16, device=device) for _ in "kv"]
+    _, k_ref, v_ref = _reference(
+        qkv, cos, sin, slots, [torch.zeros(p.shape, dtype=dtype, device=device) for p in pools],
+        heads_q, heads_kv, head_dim,
+    )  # fmt: skip
+    with triton_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        rotary_paged_write(
+            qkv, cos, sin, *pools, slots, heads_q=heads_q, key_offset=offset, k_scale=scales[0],
+            v_scale=scales[1],
+        )  # fmt: skip
+    written = slots.cpu()
+    for pool, scale, ref in zip(
+        pools, scales, (k_ref.float() - offset, v_ref.float()), strict=True
+    ):
+        meant = ref.view(-1, heads_kv, head_dim)[slots].cpu()
+        stored = pool.view(-1, heads_kv, head_dim).cpu()[written].float()
+        scale = scale.view(-1, heads_kv).cpu()[written].float()
+        want = (meant.abs().amax(-1) / 127).half().float()
+        torch.testing.assert_close(scale, want, rtol=2**-10, atol=0)
+        assert stored.abs().amax(-1).eq(127).all()  # every vector spans the range
+        error = (stored * scale[..., None] - meant).abs()
+        assert (error <= scale[..., None] * (0.5 + 1e-3)).all()  # to nearest
+
+
+def test_int8_pools_need_fp16_scale_pools():
+    qkv, cos, sin, slots, _ = _case(3, 4, 2, 32, torch.float32, "cpu")
+    pools = [torch.zeros(40, 16, 2, 32, dtype=torch.int8) for _ in "kv"]
+    with pytest.raises(ValueError, match=r"k_scale: \(40, 16, 2\) contiguous torch.float16"):
+        rotary_paged_write(
+            qkv, cos, sin, *pools, slots, heads_q=4, key_offset=torch.zeros(2, 32),
+            k_scale=torch.ones(2), v_scale=torch.ones(2),
+        )  # fmt: skip

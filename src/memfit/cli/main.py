@@ -200,6 +200,14 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
     p.add_argument("--tokenizer", help="override the tokenizer recorded in the checkpoint")
+    _quantization_flags(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(handler=_cmd_generate)
+
+
+def _quantization_flags(p: argparse.ArgumentParser) -> None:
+    """--quantize and --kv-cache-dtype, as generate and serve take them."""
     p.add_argument(
         "--quantize",
         choices=["int8", "int4"],
@@ -208,14 +216,11 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8"],
+        choices=["auto", "fp8", "int8"],
         default="auto",
-        help="the KV cache's element type: auto (the model's dtype) or fp8 (e4m3 with per-head "
-        "scales: twice the tokens in the same memory)",
+        help="the KV cache's element type: auto (the model's dtype), fp8 (e4m3) or int8, with "
+        "per-head scales: twice the tokens in the same memory (int8 loses less quality)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.set_defaults(handler=_cmd_generate)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -241,19 +246,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="on CUDA: the share of GPU memory for the weights, activations and the KV pool",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
-    p.add_argument(
-        "--quantize",
-        choices=["int8", "int4"],
-        help="weight-only quantization of the blocks' linear layers at load: int8 per output "
-        "channel, int4 in groups of 128 (the embedding and output head stay in bf16)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "fp8"],
-        default="auto",
-        help="the KV cache's element type: auto (the model's dtype) or fp8 (e4m3 with per-head "
-        "scales: twice the tokens in the same memory)",
-    )
+    _quantization_flags(p)
     p.add_argument("--max-running", type=int, default=256, help="sequences decoded together")
     p.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests before new ones get 429"

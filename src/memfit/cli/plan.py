@@ -462,7 +462,7 @@ def _serve_table(result: ServePlan) -> Table:
             "KV cache pool",
             result.kv_pool_bytes,
             f"{result.num_blocks:,} blocks + 1 scratch x {result.kv_bytes_per_block / 2**20:.2f} MiB"
-            + (" (fp8)" if result.kv_cache_dtype == "fp8" else ""),
+            + (f" ({result.kv_cache_dtype})" if result.kv_cache_dtype != "auto" else ""),
         ),
         (
             "step activations",
@@ -626,9 +626,10 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
     serve.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     serve.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8"],
+        choices=["auto", "fp8", "int8"],
         default="auto",
-        help="the KV cache's element type: auto (--precision) or fp8 (one byte: twice the tokens)",
+        help="the KV cache's element type: auto (--precision), fp8 or int8 (one byte: twice the "
+        "tokens)",
     )
     serve.add_argument(
         "--max-step-tokens",

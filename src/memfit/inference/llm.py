@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 GiB = 2**30
 CPU_KV_BYTES = 256 * 2**20
 """The KV pool on a CPU, where there is no device memory to fill (kv_cache_bytes sets another)."""
-KV_CALIBRATION_ROWS = (2, 256)  # (rows, tokens) of random ids an fp8 KV cache is calibrated on
+KV_CALIBRATION_ROWS = (2, 256)  # (rows, tokens) of random ids a quantized KV cache calibrates on
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -190,9 +190,10 @@ class LLM(Texts):
         layers at load (memfit.nn.quant; the embedding and the output head stay in `dtype`):
         a decode step reads half or about a quarter of the bytes. A quantized checkpoint
         (memfit.models.quantized, `memfit export --quantize`) loads as it is stored; asking it
-        for another kind is an error. kv_cache_dtype: 'auto' (the KV cache in `dtype`) or 'fp8'
-        (e4m3, per-head scales: twice the tokens in the same memory; memfit.inference.
-        PagedKVCache), calibrated at load on KV_CALIBRATION_ROWS rows of random token ids."""
+        for another kind is an error. kv_cache_dtype: 'auto' (the KV cache in `dtype`), 'fp8'
+        (e4m3) or 'int8', with per-head scales: twice the tokens in the same memory
+        (memfit.inference.PagedKVCache), calibrated at load on KV_CALIBRATION_ROWS rows of random
+        token ids."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         for name, value in (
@@ -260,7 +261,7 @@ class LLM(Texts):
             self._warm_up()
 
     def _calibrate_kv(self) -> None:
-        """The fp8 cache's key offsets and scales from the model's keys and values over random
+        """The quantized cache's key offsets and scales from the model's keys and values over random
         token ids (seeded): they set where each head's values lie, not what text says."""
         vocab = self.config.vocab_size
         if self.tokenizer is not None:

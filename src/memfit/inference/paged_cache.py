@@ -18,16 +18,25 @@ never writes into them (its next token goes to a new block), so no copy-on-write
 cached block nobody uses stays with its contents until a block is needed, least recently
 released first.
 
-fp8 (`kv_dtype="fp8"`): keys and values are stored as float8 e4m3, one byte an element, so the
-same memory holds twice the tokens. Each layer's kv head h stores v / v_scale[h] and
-(k - key_offset[h]) / k_scale[h]. The offset is the keys' mean over calibration tokens: a query's
-scores against every key then drop by the same q . key_offset, which the softmax cancels, so the
-kernels never add it back; what it removes is the part of k common to all tokens, which would
-otherwise take the fp8 rounding error (relative, 3 mantissa bits) on its large magnitude. The
-scales are powers of two (exact to divide by) leaving a factor 4 of headroom above the
-calibration's largest value; the kernels fold k_scale into the score scale and v_scale into the
-output, so reading an fp8 tile costs only its widening. `calibrate` sets them from a model's
-forward over a few token rows; until then the offset is 0 and the scales 1 (vLLM's default).
+Quantized (`kv_dtype="fp8"` or `"int8"`): keys and values are stored in one byte an element,
+so the same memory holds about twice the tokens. Keys are stored less `key_offset[layer, h]`,
+the keys' mean over calibration tokens: a query's scores against every key then drop by the same
+q . key_offset, which the softmax cancels, so the kernels never add it back; what it removes is
+the part of k common to all tokens, which would otherwise take the rounding error on its large
+magnitude.
+- fp8 (e4m3): each layer's kv head h stores v / v_scale[h] and (k - key_offset[h]) / k_scale[h],
+  static scales that are powers of two (exact to divide by) leaving a factor 4 of headroom
+  above the calibration's largest value. The kernels fold k_scale into the score scale and
+  v_scale into the output.
+- int8: each token's key (less the offset) and value per head is scaled so that its largest
+  |element| is 127 and rounded to nearest; the scale, in fp16, is stored beside it
+  (`key_token_scale`, `value_token_scale`: 2 bytes a token and head each). The kernels scale
+  each key's scores and each value's weights by them. Static scales did not do here: on
+  SmolLM2-135M a per-head int8 scale from calibration lost 1.1% perplexity, a factor 2 of range
+  the difference between +0.07% and +1.1%; one scale a token follows each token's own range.
+fp8's 3 mantissa bits on the keys cost more than int8's 7 with per-token scales
+(benchmarks/quant_quality.py --kv). `calibrate` sets the offsets (and fp8's scales) from a
+model's forward over a few token rows; until then the offset is 0 and the scales 1.
 
 Bookkeeping (tables, lengths, the free list) is on the host, where the scheduler runs; a step's
 `AttentionMetadata` (positions, slot mapping, block table, each token's sequence) is built once
@@ -49,9 +58,11 @@ from memfit.nn.attention import AttentionMetadata
 from memfit.ops._triton import use_triton
 from memfit.ops.paged_write import rotary_paged_write
 
-KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # the quantized KV caches (`kv_dtype`)
-FP8_MAX = 448.0
-HEADROOM = 4.0  # the calibration's largest |value| lands at most at FP8_MAX / HEADROOM
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}  # the quantized caches (kv_dtype)
+FP8_MAX = 448.0  # e4m3's largest finite value: saturated there
+HEADROOM = 4.0  # fp8: the calibration's largest |value| lands at most at FP8_MAX / HEADROOM
+INT8_MAX = 127.0
+TOKEN_SCALE_BYTES = 2  # int8: each token's key and value scale per head, fp16
 
 
 class OutOfBlocks(RuntimeError):
@@ -134,7 +145,7 @@ class PagedKVCache:
         device: torch.device | str,
         kv_dtype: str | None = None,
     ) -> None:
-        """dtype: the model's compute dtype; kv_dtype: None (store in dtype) or 'fp8'."""
+        """dtype: the model's compute dtype; kv_dtype: None (store in dtype), 'fp8' or 'int8'."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if kv_dtype not in (None, *KV_DTYPES):
@@ -157,6 +168,9 @@ class PagedKVCache:
             self.key_offset = torch.zeros(*heads, config.head_dim, device=device)
             self.key_scale = torch.ones(heads, device=device)
             self.value_scale = torch.ones(heads, device=device)
+        if kv_dtype == "int8":  # each slot's scale per head, beside its keys and values
+            self.key_token_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device)
+            self.value_token_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device)
         self.block_size = block_size
         self.device = torch.device(device)
         self.pool = BlockPool(num_blocks)
@@ -171,9 +185,10 @@ class PagedKVCache:
     def bytes_per_block(
         config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str | None = None
     ) -> int:
-        """K and V of every layer for block_size tokens."""
+        """K and V of every layer for block_size tokens (int8: with their fp16 scales)."""
         element = torch.empty((), dtype=KV_DTYPES[kv_dtype] if kv_dtype else dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+        per_head = config.head_dim * element + (TOKEN_SCALE_BYTES if kv_dtype == "int8" else 0)
+        return 2 * config.num_layers * block_size * config.num_kv_heads * per_head
 
     @classmethod
     def from_budget(
@@ -360,10 +375,22 @@ class PagedKVCache:
         slots = metadata.slot_mapping
         k, v = k.reshape(-1, heads, dim).to(self.dtype), v.reshape(-1, heads, dim).to(self.dtype)
         quant = self._quant(layer)
-        if quant:  # as rotary_paged_write stores them (its module docstring)
+        if quant:  # as rotary_paged_write stores them (its docstring)
             offset, k_scale, v_scale = quant
-            k = ((k.float() - offset) * (1 / k_scale)[:, None]).clamp(-FP8_MAX, FP8_MAX)
-            v = (v.float() * (1 / v_scale)[:, None]).clamp(-FP8_MAX, FP8_MAX)
+            k, v = k.float() - offset, v.float()
+            if self.kv_dtype == "int8":
+                stored = []
+                for x, pool in ((k, self.key_token_scale), (v, self.value_token_scale)):
+                    scale = (x.abs().amax(-1) / INT8_MAX).half().float()
+                    scale = torch.where(scale > 0, scale, 1.0)
+                    pool[layer].view(-1, heads).index_copy_(0, slots, scale.half())
+                    x = (x * (1 / scale)[..., None]).clamp(-INT8_MAX, INT8_MAX)
+                    stored.append(torch.where(x < 0, x - 0.5, x + 0.5).trunc().to(torch.int8))
+                keys.view(-1, heads, dim).index_copy_(0, slots, stored[0])
+                values.view(-1, heads, dim).index_copy_(0, slots, stored[1])
+                return keys, values
+            k = (k * (1 / k_scale)[:, None]).clamp(-FP8_MAX, FP8_MAX)
+            v = (v * (1 / v_scale)[:, None]).clamp(-FP8_MAX, FP8_MAX)
             # (index_copy_ has no fp8 kernel on a CPU: copy the bytes)
             k, v = k.to(keys.dtype).view(torch.uint8), v.to(values.dtype).view(torch.uint8)
             keys.view(torch.uint8).view(-1, heads, dim).index_copy_(0, slots, k)
@@ -373,26 +400,30 @@ class PagedKVCache:
             values.view(-1, heads, dim).index_copy_(0, slots, v)
         return keys, values
 
-    # -- fp8 ------------------------------------------------------------------------------------
+    # -- fp8 and int8 ---------------------------------------------------------------------------
 
     def _quant(self, layer: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(key_offset, k_scale, v_scale) of layer `layer` as rotary_paged_write takes them."""
         if not self.kv_dtype:
             return None
-        return self.key_offset[layer], self.key_scale[layer], self.value_scale[layer]
+        return self.key_offset[layer], *self.kv_scales(layer)
 
     def kv_scales(self, layer: int) -> tuple[Tensor, Tensor] | None:
-        """Layer `layer`'s (k_scale, v_scale), (heads_kv,) each, for the kernels that read its
-        pools; None where the pools hold the compute dtype."""
+        """Layer `layer`'s (k_scale, v_scale) for the kernels that read its pools: fp8's
+        (heads_kv,) each, int8's per-token pools (num_blocks + 1, block_size, heads_kv); None
+        where the pools hold the compute dtype."""
+        if self.kv_dtype == "int8":
+            return self.key_token_scale[layer], self.value_token_scale[layer]
         return (self.key_scale[layer], self.value_scale[layer]) if self.kv_dtype else None
 
     @torch.inference_mode()
     def calibrate(self, model: torch.nn.Module, rows: Sequence[Sequence[int]]) -> None:
-        """Set the key offsets and the scales of an fp8 cache (module docstring) from `model`'s
-        keys and values over token `rows` (a few hundred tokens do: any text, or random ids),
-        computed in the compute dtype through a temporary cache. Call it before any sequence is
-        stored: the blocks already written would not match."""
+        """Set the key offsets (and fp8's scales) of a quantized cache (module docstring) from
+        `model`'s keys and values over token `rows` (a few hundred tokens do: any text, or random
+        ids), computed in the compute dtype through a temporary cache. Call it before any
+        sequence is stored: the blocks already written would not match."""
         if not self.kv_dtype:
-            raise ValueError("calibrate is for a quantized cache (kv_dtype='fp8')")
+            raise ValueError("calibrate is for a quantized cache (kv_dtype='fp8' or 'int8')")
         if self.tables:
             raise ValueError(f"calibrate before storing sequences; {len(self.tables)} are stored")
         if not rows or min(len(row) for row in rows) < 1:
@@ -417,6 +448,8 @@ class PagedKVCache:
         keys = torch.cat([k for k, _ in taken], 1)  # (layers, tokens, heads, dim)
         values = torch.cat([v for _, v in taken], 1)
         self.key_offset.copy_(keys.mean(1))
+        if self.kv_dtype == "int8":
+            return  # (its scales are each token's)
         for scale, x in (
             (self.key_scale, keys - self.key_offset[:, None]),
             (self.value_scale, values),

@@ -64,17 +64,22 @@ class QuantizedWeight(nn.Module):
     """An (out, in) weight, quantized; `dequantize()` gives it back in the compute dtype."""
 
     def __init__(
-        self, weight: Tensor, kind: Kind, dtype: torch.dtype, *, group: int = INT4_GROUP
-    ) -> None:
+        self, weight: Tensor, kind: Kind, dtype: torch.dtype, *, group: int = INT4_GROUP,
+        state: dict[str, Tensor] | None = None,
+    ) -> None:  # fmt: skip
         """group: int4's group of input features (`int4_group` picks a smaller one where it
-        does not divide them: `self.group`)."""
+        does not divide them: `self.group`); state: `weight` already quantized to `kind` (as
+        memfit.nn.gptq does), in the format of memfit.ops.quant's quantize_<kind>."""
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"quantize to one of {', '.join(KINDS)}, got {kind!r}")
         self.kind, self.dtype = kind, dtype
         self.shape = tuple(weight.shape)
         self.group = int4_group(weight.shape[1], group) if kind == "int4" else None
-        if kind == "nf4":
+        if state is not None:
+            _check_state(state, kind, self.shape, self.group)
+            state = {name: tensor.to(weight.device) for name, tensor in state.items()}
+        elif kind == "nf4":
             state = quantize_nf4(weight)
         elif kind == "int8":
             state = quantize_int8(weight)
@@ -161,13 +166,14 @@ class QuantLinear(nn.Module):
 
     def __init__(
         self, base: Linear, kind: Kind, dtype: torch.dtype, device: torch.device | None = None,
-        *, group: int = INT4_GROUP,
+        *, group: int = INT4_GROUP, state: dict[str, Tensor] | None = None,
     ) -> None:  # fmt: skip
-        """device: where the quantized weight lives (default: the base's); group: int4's."""
+        """device: where the quantized weight lives (default: the base's); group: int4's;
+        state: the weight already quantized (QuantizedWeight)."""
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         weight = base.weight.detach().to(device)
-        self.quant = QuantizedWeight(weight, kind, dtype, group=group)
+        self.quant = QuantizedWeight(weight, kind, dtype, group=group, state=state)
         self.bias = None
         if base.bias is not None:
             bias = base.bias.detach().to(device=device, dtype=dtype)
@@ -195,6 +201,7 @@ class QuantLinear(nn.Module):
 def quantize_model(
     model: nn.Module, kind: Kind, *, dtype: torch.dtype, device: torch.device | None = None,
     blocks: list[int] | None = None, group: int = INT4_GROUP,
+    states: dict[str, dict[str, Tensor]] | None = None,
 ) -> int:  # fmt: skip
     """Quantize the weight of every linear layer inside the blocks (`model.layers`, or those of
     `blocks`; the embedding and the output head stay as they are): a plain `Linear` becomes a
@@ -202,7 +209,8 @@ def quantize_model(
     `device` (default: where it is), is quantized there and its full-precision copy freed before
     the next: a model held in CPU memory reaches the GPU quantized, never whole. Returns the
     bytes the quantized weights take. `group`: int4's group of input features (a layer it does
-    not divide takes a smaller one, and a warning says which)."""
+    not divide takes a smaller one, and a warning says which). `states`: layers already
+    quantized (memfit.nn.gptq), by path from the model ("layers.3.mlp.down")."""
     from memfit.nn.lora import LoRALinear
 
     total = 0
@@ -213,11 +221,30 @@ def quantize_model(
                 module.quantize(kind, dtype, device)
                 total += module.quant.nbytes()
             elif type(module) is Linear:
-                layer = QuantLinear(module, kind, dtype, device, group=group)
+                state = (states or {}).get(f"layers.{index}.{path}")
+                layer = QuantLinear(module, kind, dtype, device, group=group, state=state)
                 replace_module(block, path, layer)
                 total += layer.quant.nbytes()
                 _say_group(layer.quant, path, group)
     return total
+
+
+def _check_state(state: dict[str, Tensor], kind: str, shape: tuple, group: int | None) -> None:
+    """Refuse a precomputed state whose tensors are not quantize_<kind>'s for this shape."""
+    rows, features = shape
+    expected = {
+        "int8": {"q": (rows, features), "scale": (rows,)},
+        "int4": {"packed": (rows, features // 8), "scale": (rows, features // (group or 1)),
+                 "zero": (rows, features // (group or 1))},
+    }.get(kind)  # fmt: skip
+    if expected is None:
+        raise ValueError(f"a precomputed state is taken for int8 and int4 only, not {kind}")
+    got = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    if got != expected:
+        raise ValueError(
+            f"a {kind} state for a {rows}x{features} weight (group {group}) has tensors "
+            f"{expected}, got {got}"
+        )
 
 
 _said: set[tuple[int, int]] = set()

@@ -31,7 +31,9 @@ from memfit.ops._triton import (
 
 __all__ = ["rotary_paged_write"]
 
+QUANTIZED = (torch.float8_e4m3fn, torch.int8)  # the pools' one-byte kinds
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
+INT8_MAX: tl.constexpr = tl.constexpr(127.0)  # (-127: symmetric)
 _BLOCK_ELEMENTS = 2048  # elements of each half of head_dim per program, as the rotary kernel's
 
 
@@ -45,8 +47,8 @@ def _rotary_paged_write_kernel(
     k_pool_ptr,
     v_pool_ptr,
     k_offset_ptr,
-    k_inv_scale_ptr,
-    v_inv_scale_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_tokens,
     heads_q,
     heads_kv,
@@ -65,10 +67,13 @@ def _rotary_paged_write_kernel(
     ROUND_BF16_BY_HAND: tl.constexpr,
     ROUND_FP8_BY_HAND: tl.constexpr,
     QUANT: tl.constexpr,
+    INT8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (token block, head block): head blocks [0, q) are q's, [q, q + kv) k's, the rest
     v's. qkv: (tokens, (heads_q + 2 heads_kv) * 2 HALF), rows q | k | v; tables (tokens, 2 HALF).
+    QUANT: fp8 pools, k_scale_ptr and v_scale_ptr the inverse scales (heads_kv,); INT8: int8
+    pools, those pointers the per-token scale pools (slots, heads_kv) this kernel writes.
     PDL: launched early, it waits for the kernel before before it reads."""
     if PDL:
         gdc_launch_dependents()
@@ -125,21 +130,36 @@ def _rotary_paged_write_kernel(
         )
         kv1, kv2 = out1, out2
         if QUANT:
-            # fp8 pools: the value in the compute dtype (what the plain path quantizes), less
-            # the key offset, times the inverse scale, saturated to e4m3's range
+            # quantized pools: the value in the compute dtype (what the plain path quantizes),
+            # less the key offset, scaled, saturated and rounded to the pool's grid
             head_ok = heads < heads_kv
-            inv = tl.load(tl.where(is_v, v_inv_scale_ptr, k_inv_scale_ptr) + heads, mask=head_ok)
             off_ptrs = k_offset_ptr + (heads * (2 * HALF))[None, :, None] + dims[None, None, :]
             off_mask = head_ok[None, :, None] & (dims < HALF)[None, None, :]
             off1 = tl.where(is_v, 0.0, tl.load(off_ptrs, mask=off_mask, other=0.0))
             off2 = tl.where(is_v, 0.0, tl.load(off_ptrs + HALF, mask=off_mask, other=0.0))
             compute = q_out_ptr.dtype.element_ty
-            kv1 = (kv1.to(compute).to(tl.float32) - off1) * inv[None, :, None]
-            kv2 = (kv2.to(compute).to(tl.float32) - off2) * inv[None, :, None]
-            kv1 = tl.minimum(tl.maximum(kv1, -FP8_MAX), FP8_MAX)
-            kv2 = tl.minimum(tl.maximum(kv2, -FP8_MAX), FP8_MAX)
-            if ROUND_FP8_BY_HAND:
-                kv1, kv2 = round_to_e4m3(kv1), round_to_e4m3(kv2)
+            kv1 = kv1.to(compute).to(tl.float32) - off1
+            kv2 = kv2.to(compute).to(tl.float32) - off2
+            scale_ptr = tl.where(is_v, v_scale_ptr, k_scale_ptr)
+            if INT8:  # each (token, head): its largest |value| goes to 127, the scale in fp16
+                amax = tl.maximum(tl.max(tl.abs(kv1), 2), tl.max(tl.abs(kv2), 2))
+                scale = (amax / INT8_MAX).to(tl.float16).to(tl.float32)
+                scale = tl.where(scale > 0, scale, 1.0)
+                scale_offsets = slots[:, None] * heads_kv + heads[None, :]
+                scale_mask = token_ok[:, None] & head_ok[None, :]
+                tl.store(scale_ptr + scale_offsets, scale.to(tl.float16), mask=scale_mask)
+                inv = (1.0 / scale)[:, :, None]
+                kv1 = tl.minimum(tl.maximum(kv1 * inv, -INT8_MAX), INT8_MAX)
+                kv2 = tl.minimum(tl.maximum(kv2 * inv, -INT8_MAX), INT8_MAX)
+                # to nearest, ties away from 0 (the cast truncates)
+                kv1 = tl.where(kv1 < 0, kv1 - 0.5, kv1 + 0.5).to(tl.int32)
+                kv2 = tl.where(kv2 < 0, kv2 - 0.5, kv2 + 0.5).to(tl.int32)
+            else:
+                inv = tl.load(scale_ptr + heads, mask=head_ok)[None, :, None]
+                kv1 = tl.minimum(tl.maximum(kv1 * inv, -FP8_MAX), FP8_MAX)
+                kv2 = tl.minimum(tl.maximum(kv2 * inv, -FP8_MAX), FP8_MAX)
+                if ROUND_FP8_BY_HAND:
+                    kv1, kv2 = round_to_e4m3(kv1), round_to_e4m3(kv2)
         tl.store(pool_ptr + pool_offsets, kv1.to(pool_ptr.dtype.element_ty), mask=mask)
         tl.store(pool_ptr + pool_offsets + HALF, kv2.to(pool_ptr.dtype.element_ty), mask=mask)
 
@@ -165,10 +185,13 @@ def rotary_paged_write(
     head_dim contiguous; slots: (tokens,) int64, slot s = block s // block_size, offset
     s % block_size. Returns q rotated, (tokens, heads_q, head_dim) contiguous, qkv's dtype.
     Runs where Triton runs (the caller decides; the plain path is apply_rotary_qk + index_copy_).
-    fp8 pools (float8_e4m3fn, a quantized PagedKVCache) take key_offset (heads_kv, head_dim),
-    k_scale and v_scale (heads_kv,), fp32: k (rounded to qkv's dtype) is stored as
-    (k - key_offset) / k_scale and v as v / v_scale, saturated to +-448 (division as a product
-    by the inverse, exact for the powers of two PagedKVCache.calibrate picks).
+    Quantized pools (a quantized PagedKVCache) take key_offset (heads_kv, head_dim) fp32, and
+    k (rounded to qkv's dtype) is stored as (k - key_offset) / k_scale, v as v / v_scale (as a
+    product by the inverse):
+    - float8_e4m3fn: k_scale and v_scale (heads_kv,) fp32, saturated to +-448;
+    - int8: k_scale and v_scale are the pools' per-token scales (num_blocks, block_size,
+      heads_kv) fp16, written here: each token and head's largest |value| over head_dim / 127
+      (rounded to fp16), the values rounded to nearest (ties away from 0) within +-127.
     """
     tokens, width = qkv.shape
     _, _, heads_kv, head_dim = key_pool.shape
@@ -177,28 +200,33 @@ def rotary_paged_write(
             f"qkv of width {width} does not hold {heads_q} query and 2 x {heads_kv} key/value "
             f"heads of (even) head_dim {head_dim}"
         )
-    quant = key_pool.dtype == torch.float8_e4m3fn
+    quant = key_pool.dtype in QUANTIZED
     if value_pool.shape != key_pool.shape or {key_pool.dtype, value_pool.dtype} != {
-        torch.float8_e4m3fn if quant else qkv.dtype
+        key_pool.dtype if quant else qkv.dtype
     }:
         raise ValueError(
             f"key and value pools {tuple(key_pool.shape)} {key_pool.dtype} / "
             f"{tuple(value_pool.shape)} {value_pool.dtype} must match each other and qkv's dtype "
-            f"{qkv.dtype} (or both be float8_e4m3fn)"
+            f"{qkv.dtype} (or both be float8_e4m3fn or int8)"
         )
+    int8 = key_pool.dtype == torch.int8
     if quant:
+        scales = (key_pool.shape[:3], torch.float16) if int8 else ((heads_kv,), torch.float32)
         wanted = {
-            "key_offset": (heads_kv, head_dim),
-            "k_scale": (heads_kv,),
-            "v_scale": (heads_kv,),
+            "key_offset": ((heads_kv, head_dim), torch.float32),
+            "k_scale": scales,
+            "v_scale": scales,
         }
         given = {"key_offset": key_offset, "k_scale": k_scale, "v_scale": v_scale}
-        for name, shape in wanted.items():
+        for name, (shape, dtype) in wanted.items():
             t = given[name]
-            if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            if t is None or t.shape != shape or t.dtype != dtype or not t.is_contiguous():
                 got = None if t is None else (tuple(t.shape), t.dtype)
-                raise ValueError(f"fp8 pools need {name}: {shape} contiguous float32, got {got}")
-        extras = (key_offset, 1.0 / k_scale, 1.0 / v_scale)
+                raise ValueError(
+                    f"{key_pool.dtype} pools need {name}: {tuple(shape)} contiguous {dtype}, "
+                    f"got {got}"
+                )
+        extras = (key_offset, k_scale, v_scale) if int8 else (key_offset, 1 / k_scale, 1 / v_scale)
     else:
         extras = (cos, cos, cos)  # (not read)
     if qkv.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
@@ -230,6 +258,6 @@ def rotary_paged_write(
         heads_kv * head_dim, head_dim,
         HALF=half, BLOCK_TOKENS=block_tokens, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
         ROUND_BF16_BY_HAND=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16, QUANT=quant,
-        ROUND_FP8_BY_HAND=qkv.device.type == "cpu", PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
+        INT8=int8, ROUND_FP8_BY_HAND=qkv.device.type == "cpu", PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q

@@ -171,19 +171,20 @@ def weight_bytes(config: ModelConfig, dtype: Any = "bf16") -> int:
     return ELEMENT_BYTES[dtype_name(dtype)] * config.spec.num_params
 
 
-KV_CACHE_DTYPES = ("auto", "fp8")
-"""The KV cache in the model's dtype, or in fp8 e4m3 (one byte: PagedKVCache(kv_dtype="fp8"))."""
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+"""The KV cache in the model's dtype, or in one byte an element, fp8 e4m3 or int8
+(PagedKVCache(kv_dtype=...))."""
 
 
 def kv_bytes_per_token(
     config: ModelConfig, dtype: Any = "bf16", kv_cache_dtype: str = "auto"
 ) -> int:
     """Keys and values of every layer for one token: 2 * L * kv_heads * head_dim * c (c = 1 for
-    an fp8 cache; its per-head scales and key offsets, L * kv_heads * (head_dim + 2) fp32, are
+    an fp8 or int8 cache; its per-head scales and key offsets, L * kv_heads * (head_dim + 2) fp32, are
     not counted: a few KiB)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    element = 1 if kv_cache_dtype == "fp8" else ELEMENT_BYTES[dtype_name(dtype)]
+    element = 1 if kv_cache_dtype != "auto" else ELEMENT_BYTES[dtype_name(dtype)]
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
@@ -510,8 +511,8 @@ def plan_serve(
     quantize: the blocks' linear weights quantized ('int8', 'int4': memfit.nn.quant), counted as
     stored, plus the largest one dequantized in the dtype (a product of more than
     memfit.nn.quant.FUSED_MAX_ROWS rows makes that copy for cuBLAS, one layer at a time).
-    kv_cache_dtype: 'auto' (the KV cache in `dtype`) or 'fp8' (one byte an element: the same
-    memory holds twice the bf16 tokens).
+    kv_cache_dtype: 'auto' (the KV cache in `dtype`), 'fp8' or 'int8' (one byte an element: the
+    same memory holds twice the bf16 tokens).
     Never raises for a model that does not fit: see `.fits` and `.check_fits()`.
     """
     name, total = _gpu_memory(gpu)

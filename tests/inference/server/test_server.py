@@ -389,3 +389,27 @@ def test_two_http_servers_share_one_engine_process(checkpoint, reference):
         assert first.metric("memfit_kv_blocks_used") == 0 and first.engine.healthy
     finally:
         first.close()
+
+
+def test_an_fp8_kv_cache_serves_the_offline_engines_tokens(checkpoint, monkeypatch):
+    """`memfit serve --kv-cache-dtype fp8`: the engine process calibrates its fp8 cache as an
+    offline LLM does; chat through the openai client, streamed or not, gives the offline fp8
+    engine's text, and a client leaving mid-stream frees its blocks."""
+    openai = pytest.importorskip("openai")
+    options = {"block_size": 4, "kv_cache_dtype": "fp8", **DEVICES["cpu"]}
+    reference = LLM(checkpoint, **options)
+    server = Server(AsyncEngine.spawn(str(checkpoint), on_load=_slow_steps, **options))
+    try:
+        assert server.metric("memfit_kv_blocks_total") == reference.cache.pool.num_blocks
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        messages = [{"role": "user", "content": "w7 w8 w3"}]
+        prompt = reference.tokenizer.encode("user w7 w8 w3 assistant")
+        want = offline(reference, prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        options = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0,
+                   "extra_body": {"ignore_eos": True}}  # fmt: skip
+        assert client.chat.completions.create(**options).choices[0].message.content == want.text
+        chunks = client.chat.completions.create(**options, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+        test_a_client_that_disconnects_frees_its_blocks(server, monkeypatch)
+    finally:
+        server.close()

@@ -58,6 +58,15 @@ NO_WINDOW = 1 << 30
 
 
 @triton.jit
+def _widen(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """A tile in the compute dtype (a quantized cache's: fp8 or int8 widened); through fp32
+    under the interpreter, whose int8 -> bf16 cast gives NaN."""
+    if INTERPRET:
+        x = x.to(tl.float32)
+    return x.to(dtype)
+
+
+@triton.jit
 def _attend_pages(
     acc,
     l_i,
@@ -77,6 +86,9 @@ def _attend_pages(
     offs_d,
     qk_scale,
     stride,
+    KS,
+    VS,
+    scale_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -84,13 +96,17 @@ def _attend_pages(
     MASKED: tl.constexpr,
     INTERPRET: tl.constexpr,
     STRIDED: tl.constexpr = False,
+    TOKEN_SCALED: tl.constexpr = False,
 ):
     """The online softmax of the rows of q over keys [lo, hi) of one sequence, gathered through
     its block-table row; row r sees keys row_first[r] <= j <= row_pos[r]. K and V point at the
     program's kv head. Not MASKED: the caller guarantees that every row sees every key of
     [lo, hi) and that the range is whole tiles, so no mask is built and no load is predicated.
     STRIDED: [lo, hi) counts summary columns, key (i + 1) * stride - 1 for i in the range, and
-    row r sees those before its window (j < row_first[r]; the window's own are its run's)."""
+    row r sees those before its window (j < row_first[r]; the window's own are its run's).
+    TOKEN_SCALED (an int8 cache): KS and VS point at the program's kv head in the per-token
+    scale pools (blocks, PAGE, scale_heads); each key's scale multiplies its scores, each
+    value's its softmax weights."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d[None, :] < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
@@ -104,8 +120,17 @@ def _attend_pages(
             page = tl.load(table_row + cols // PAGE).to(tl.int64)
         within = cols % PAGE
         k_ptrs = K + (page * stride_kb + within * stride_kt)[:, None] + offs_d[None, :]
-        k = _load_tile(k_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D).to(q.dtype)
+        k = _widen(_load_tile(k_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D), q.dtype, INTERPRET)
         qk = _dot(q, tl.trans(k), None, INTERPRET)
+        if TOKEN_SCALED:
+            scale_offsets = page * (PAGE * scale_heads) + within * scale_heads
+            if MASKED:
+                k_scales = tl.load(KS + scale_offsets, mask=col_ok, other=0.0).to(tl.float32)
+                v_scales = tl.load(VS + scale_offsets, mask=col_ok, other=0.0).to(tl.float32)
+            else:
+                k_scales = tl.load(KS + scale_offsets).to(tl.float32)
+                v_scales = tl.load(VS + scale_offsets).to(tl.float32)
+            qk = qk * k_scales[None, :]
         if MASKED:
             if STRIDED:
                 keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] < row_first[:, None])
@@ -121,8 +146,9 @@ def _attend_pages(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V + (page * stride_vb + within * stride_vt)[:, None] + offs_d[None, :]
-        v = _load_tile(v_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D).to(q.dtype)
-        acc = _dot(_to_dtype(p, q.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+        v = _widen(_load_tile(v_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D), q.dtype, INTERPRET)
+        weights = p * v_scales[None, :] if TOKEN_SCALED else p
+        acc = _dot(_to_dtype(weights, q.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -191,8 +217,10 @@ def _decode_kernel(
     d_ok = offs_d[None, :] < HEAD_DIM
     q_ptrs = Q + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok, other=0.0)
-    if SCALED:  # a quantized cache: stored k = (k - offset) / k_scale (see PagedKVCache)
+    if SCALED == 1:  # an fp8 cache: stored k = (k - offset) / k_scale (see PagedKVCache)
         qk_scale = qk_scale * tl.load(KScale + kv_head)
+    # SCALED == 2 (an int8 cache): the per-token scale pools (blocks, PAGE, heads_kv)
+    ks_base, vs_base, scale_heads = KScale + kv_head, VScale + kv_head, tl.num_programs(1)
 
     pos = seqlen - 1
     first = tl.maximum(pos - window + 1, 0)
@@ -210,20 +238,20 @@ def _decode_kernel(
     k_base, v_base = K + kv_head * stride_kh, V + kv_head * stride_vh
     table_row = block_table + seq * stride_table
     acc, l_i, m_i = _attend_pages(
-        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        lo, hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE,
-        True, INTERPRET,
+        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt, lo,
+        hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads, HEAD_DIM,
+        BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2,
     )  # fmt: skip
     if STRIDED:  # the summary columns before the window, cut into the splits as the keys are
         columns = first // stride  # (those before the window: (i + 1) * stride - 1 < first)
         share = tl.cdiv(columns, num_splits)
         acc, l_i, m_i = _attend_pages(
-            acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb,
-            stride_vt, split * share, tl.minimum(split * share + share, columns), row_pos,
-            row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
-            INTERPRET, True,
+            acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
+            split * share, tl.minimum(split * share + share, columns), row_pos, row_first, offs_d,
+            qk_scale, stride, ks_base, vs_base, scale_heads, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
+            INTERPRET, True, TOKEN_SCALED=SCALED == 2,
         )  # fmt: skip
-    if SCALED:  # stored v = v / v_scale, and the output is linear in v
+    if SCALED == 1:  # stored v = v / v_scale, and the output is linear in v
         acc = acc * tl.load(VScale + kv_head)
     if SPLIT:
         # partials of (sequence, head, split), laid out (sequences, heads_q, splits[, BLOCK_D])
@@ -357,8 +385,9 @@ def _chunk_kernel(
     heads = kv_head * GROUP + g
     q_ptrs = Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
-    if SCALED:  # (as in the decode kernel)
+    if SCALED == 1:  # (as in the decode kernel)
         qk_scale = qk_scale * tl.load(KScale + kv_head)
+    ks_base, vs_base, scale_heads = KScale + kv_head, VScale + kv_head, tl.num_programs(1)
 
     row_pos = seqlen - q_len + token
     row_first = tl.maximum(row_pos - window + 1, 0)
@@ -380,26 +409,27 @@ def _chunk_kernel(
     table_row = block_table + seq * stride_table
     if STRIDED:  # the summary columns before the last row's window (each row masks its own)
         acc, l_i, m_i = _attend_pages(
-            acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb,
-            stride_vt, 0, every_row_from // stride, row_pos, row_first, offs_d, qk_scale,
-            stride, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
+            acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
+            0, every_row_from // stride, row_pos, row_first, offs_d, qk_scale, stride, ks_base,
+            vs_base, scale_heads, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
+            TOKEN_SCALED=SCALED == 2,
         )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
-        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        lo, mid_lo, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N,
-        PAGE, True, INTERPRET,
+        acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt, lo,
+        mid_lo, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2,
     )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        mid_lo, mid_hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D,
-        BLOCK_N, PAGE, False, INTERPRET,
+        mid_lo, mid_hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False, INTERPRET, TOKEN_SCALED=SCALED == 2,
     )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        mid_hi, hi, row_pos, row_first, offs_d, qk_scale, stride, HEAD_DIM, BLOCK_D, BLOCK_N,
-        PAGE, True, INTERPRET,
+        mid_hi, hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2,
     )  # fmt: skip
-    if SCALED:
+    if SCALED == 1:
         acc = acc * tl.load(VScale + kv_head)
     out = _to_dtype(acc / tl.where(row_ok, l_i, 1.0)[:, None], Out.dtype.element_ty, INTERPRET)
     o_ptrs = Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -422,6 +452,12 @@ DECODE_CONFIGS = {64: (128, 4, 2), 128: (64, 4, 3)}
 # B=64 L=4096 289 vs 357, B=16 L=16384 258 vs 359, B=1 L=32768 44 vs 53, B=256 L=512 133 vs
 # 185 (bf16's config on fp8: 321, 266, 51, 144). D=64 keeps bf16's (147 vs 195 at B=128 L=2048).
 DECODE_CONFIGS_FP8 = {64: (128, 4, 2), 128: (128, 4, 3)}
+# int8 pools (per-token scales): the same H100 sweep over 8 configurations, us against bf16's
+# (357, 359, 53, 185 at B=64 L=4096, B=16 L=16384, B=1 L=32768, B=256 L=512): (64, 2, 3) 326,
+# 347, 47, 177; fp8's (128, 4, 3) 347, 384, 50, 189. Widening int8 and scaling each key's scores
+# and each value's weights cost what the halved bytes save: int8 decodes near bf16's speed,
+# fp8 1.2-1.4x faster. D=64 keeps fp8's (not swept).
+DECODE_CONFIGS_INT8 = {64: (128, 4, 2), 128: (64, 2, 3)}
 # Chunk, per padded head dim: (BLOCK_M rows = BLOCK_Q x group, BLOCK_N, num_warps, num_stages).
 # D=128: the best of a sweep of 2048 new tokens over prefixes of 0-30k (H100). D=64: the same
 # H200 sweeps, each step also decoding 32 sequences, us a layer against (128, 32, 4, 3): 2048
@@ -484,9 +520,11 @@ def paged_attention(
     head_dim) in q's dtype. Sequences of one new token run the decode kernel, split
     `num_splits` ways (default: `decode_splits`); those of more the chunk kernel. `stride` S > 0
     (with a `window`): a strided pattern's summary columns S - 1, 2S - 1, ... are seen too.
-    A quantized cache (fp8 e4m3 pools, `PagedKVCache(kv_dtype="fp8")`) passes k_scale and
-    v_scale, (heads_kv,) fp32: each kv head's keys and values are stored divided by them (the
-    keys less a constant offset too, which changes no softmax); tiles are widened to q's dtype.
+    A quantized cache (`PagedKVCache(kv_dtype=...)`) passes k_scale and v_scale, its keys and
+    values stored divided by them (the keys less a constant offset too, which changes no
+    softmax): fp8 e4m3 pools one scale a kv head, (heads_kv,) fp32; int8 pools one a token and
+    kv head, pools (num_blocks, block_size, heads_kv) fp16 beside theirs. Tiles are widened
+    to q's dtype.
     """
     tokens, heads_q, head_dim = q.shape
     _, page, heads_kv, _ = key_pool.shape
@@ -502,16 +540,25 @@ def paged_attention(
             f"stride must be 0 (none) or >= 2 beside a window, got stride {stride}, window {window}"
         )
     scaled = k_scale is not None or v_scale is not None
-    if key_pool.dtype != value_pool.dtype or key_pool.dtype not in (q.dtype, torch.float8_e4m3fn):
+    one_byte = key_pool.dtype in (torch.float8_e4m3fn, torch.int8)
+    if key_pool.dtype != value_pool.dtype or not (key_pool.dtype == q.dtype or one_byte):
         raise ValueError(
             f"the pools ({key_pool.dtype}, {value_pool.dtype}) must both be q's dtype {q.dtype} "
-            "or float8_e4m3fn"
+            "or float8_e4m3fn or int8"
         )
+    if one_byte and not scaled:
+        raise ValueError(f"{key_pool.dtype} pools (a quantized cache's) need k_scale and v_scale")
+    per_token = key_pool.dtype == torch.int8
     if scaled:
-        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if scale is None or scale.shape != (heads_kv,) or scale.dtype != torch.float32:
-                got = None if scale is None else (tuple(scale.shape), scale.dtype)
-                raise ValueError(f"{name} must be ({heads_kv},) float32 with the other, got {got}")
+        want = (key_pool.shape[:3], torch.float16) if per_token else ((heads_kv,), torch.float32)
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x is None or x.shape != want[0] or x.dtype != want[1] or not x.is_contiguous():
+                got = None if x is None else (tuple(x.shape), x.dtype)
+                raise ValueError(
+                    f"{name} must be {tuple(want[0])} {want[1]}, contiguous, with the other "
+                    f"(for {key_pool.dtype} pools), got {got}"
+                )
+    scaled = 2 if per_token else int(scaled)  # the kernels' SCALED
     group = heads_q // heads_kv
     block_d = _next_pow2(head_dim)
     scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * LOG2E
@@ -550,7 +597,8 @@ def paged_attention(
     if interpret:
         block_n, warps, stages = _INTERPRET_BLOCK_N, 1, 1
     else:
-        configs = DECODE_CONFIGS_FP8 if key_pool.dtype == torch.float8_e4m3fn else DECODE_CONFIGS
+        configs = {torch.int8: DECODE_CONFIGS_INT8, torch.float8_e4m3fn: DECODE_CONFIGS_FP8}
+        configs = configs.get(key_pool.dtype, DECODE_CONFIGS)
         block_n, warps, stages = configs.get(block_d, configs[128])
     splits = num_splits or decode_splits(num_seqs, heads_kv, max_seq_len, q.device)
     part = {}

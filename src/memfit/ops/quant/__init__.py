@@ -5,6 +5,7 @@ from memfit.ops.quant.int4 import (
     INT4_GROUP,
     dequantize_int4,
     int4_group,
+    pack_int4,
     quantize_int4,
     unpack_int4,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "INT4_GROUP",
     "dequantize_int4",
     "int4_group",
+    "pack_int4",
     "quantize_int4",
     "unpack_int4",
     "NF4_BLOCK",

@@ -58,14 +58,20 @@ def quantize_int4(weight: Tensor, group: int = INT4_GROUP) -> dict[str, Tensor]:
     scale = (high - low) / 15
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = torch.round(-low / safe).clamp(0, 15)
-    q = (torch.round(w / safe[..., None]) + zero[..., None]).clamp(0, 15).to(torch.int32)
+    q = (torch.round(w / safe[..., None]) + zero[..., None]).clamp(0, 15)
+    return {"packed": pack_int4(q.reshape(out_features, in_features), group), "scale": scale,
+            "zero": zero.to(torch.uint8)}  # fmt: skip
+
+
+def pack_int4(levels: Tensor, group: int) -> Tensor:
+    """(out, in) levels 0..15 -> the int32 (out, in / 8) words of `quantize_int4`'s state."""
+    out_features, in_features = levels.shape
     # (out, groups, 8, group / 8): [j, c] is feature j * group / 8 + c, nibble j of word c
-    q = q.reshape(out_features, in_features // group, 8, group // 8)
+    q = levels.to(torch.int32).reshape(out_features, in_features // group, 8, group // 8)
     words = q[:, :, 0]
     for j in range(1, 8):
         words = words | (q[:, :, j] << (4 * j))
-    packed = words.reshape(out_features, in_features // 8).contiguous()
-    return {"packed": packed, "scale": scale, "zero": zero.to(torch.uint8)}
+    return words.reshape(out_features, in_features // 8).contiguous()
 
 
 def unpack_int4(packed: Tensor, groups: int) -> Tensor:

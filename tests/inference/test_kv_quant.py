@@ -1,8 +1,9 @@
-"""The fp8 KV cache (PagedKVCache(kv_dtype="fp8")): half the bytes a block, calibrated key
-offsets and power-of-two scales, the same stored bytes and tokens from the Triton path (under
-the interpreter) and the plain one, and greedy tokens that agree with a full-precision cache.
+"""The quantized KV caches (PagedKVCache(kv_dtype="fp8" or "int8")): about half the bytes a
+block, calibrated key offsets (and fp8's power-of-two scales; int8's per-token ones), the same
+stored bytes and tokens from the Triton path (under the interpreter) and the plain one, greedy
+tokens that agree with a full-precision cache, also through preemption.
 Kernel-level checks: tests/ops/test_paged_write.py, tests/ops/test_paged_attention.py; the
-perplexity on a real model: benchmarks/quant_quality.py --kv fp8."""
+perplexity on a real model: benchmarks/quant_quality.py --kv fp8 int8."""
 
 import contextlib
 
@@ -39,6 +40,21 @@ def test_an_fp8_cache_holds_twice_the_tokens():
         PagedKVCache(CONFIG, num_blocks=4, dtype=torch.float32, device="cpu", kv_dtype="int2")
 
 
+def test_an_int8_cache_holds_its_tokens_and_their_scales():
+    options = {"block_size": 16, "device": "cpu"}
+    bf16 = PagedKVCache.from_budget(CONFIG, 2**20, dtype=torch.bfloat16, **options)
+    int8 = PagedKVCache.from_budget(CONFIG, 2**20, dtype=torch.bfloat16, kv_dtype="int8", **options)
+    assert int8.keys.dtype == int8.values.dtype == torch.int8
+    assert int8.key_token_scale.shape == int8.keys.shape[:-1]
+    assert int8.key_token_scale.dtype == torch.float16
+    per_head = CONFIG.head_dim + 2  # int8 elements and an fp16 scale, for k and for v
+    assert PagedKVCache.bytes_per_block(CONFIG, 16, torch.bfloat16, "int8") == (
+        2 * CONFIG.num_layers * 16 * CONFIG.num_kv_heads * per_head
+    )
+    ratio = (int8.pool.num_blocks + 1) / (bf16.pool.num_blocks + 1)
+    assert abs(ratio - 2 * CONFIG.head_dim / per_head) < 0.02
+
+
 def test_calibration_sets_the_mean_key_and_power_of_two_scales(model):
     rows = _rows(2, 40, seed=3)
     plain = PagedKVCache(CONFIG, num_blocks=16, block_size=8, dtype=torch.float32, device="cpu")
@@ -66,6 +82,12 @@ def test_calibration_sets_the_mean_key_and_power_of_two_scales(model):
         # the largest value lands in (448 / 8, 448 / 4]: a factor 4 of headroom, no more than 8
         assert (amax / scale <= 448 / 4).all() and (amax / scale > 448 / 8).all()
     assert not cache.tables  # the calibration's own cache was temporary
+    int8 = PagedKVCache(
+        CONFIG, num_blocks=16, block_size=8, dtype=torch.float32, device="cpu", kv_dtype="int8"
+    )
+    int8.calibrate(model, rows)
+    torch.testing.assert_close(int8.key_offset, keys.mean(1))
+    assert int8.key_scale.eq(1).all()  # (its scales are each token's)
 
 
 def test_calibration_refuses_a_plain_or_used_cache(model):
@@ -82,17 +104,18 @@ def test_calibration_refuses_a_plain_or_used_cache(model):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test (GPU: test_engine_gpu)")
 @pytest.mark.parametrize("window", [None, 6])
-def test_fp8_generation_agrees_with_a_full_precision_cache(model, window):
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_generation_agrees_with_a_full_precision_cache(model, window, kind):
     config = CONFIG.replace(sliding_window=window)
     model = build_model(config, seed=0).eval()
     prompts = [row[:n] for row, n in zip(_rows(4, 50, seed=1), (30, 17, 50, 9), strict=True)]
     reference = PagedKVCache(
-        config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu", kv_dtype="fp8"
+        config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu", kv_dtype=kind
     )
     reference.calibrate(model, _rows(2, 64, seed=2))
     outputs, stored = {}, {}
-    for name, kv_dtype, kernels in (("full", None, False), ("plain", "fp8", False),
-                                    ("triton", "fp8", True)):  # fmt: skip
+    for name, kv_dtype, kernels in (("full", None, False), ("plain", kind, False),
+                                    ("triton", kind, True)):  # fmt: skip
         with triton_on_cpu() if kernels else contextlib.nullcontext():
             cache = PagedKVCache(
                 config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu",
@@ -103,26 +126,32 @@ def test_fp8_generation_agrees_with_a_full_precision_cache(model, window):
                     getattr(cache, name_).copy_(getattr(reference, name_))
             outputs[name] = generate_paged(model, prompts, cache, SamplingParams(max_tokens=12))
             stored[name] = cache.keys[0].view(torch.uint8), cache.values[0].view(torch.uint8)
+            if kv_dtype == "int8":
+                stored[name] += (cache.key_token_scale[0], cache.value_token_scale[0])
     # the Triton write and read give the plain path's tokens, and the first layer's bytes (later
     # layers' keys follow attention outputs, whose last bits differ between the two paths)
     assert outputs["triton"] == outputs["plain"]
     assert torch.equal(stored["triton"][0], stored["plain"][0])
     assert torch.equal(stored["triton"][1], stored["plain"][1])
+    for triton_scales, plain_scales in zip(stored["triton"][2:], stored["plain"][2:], strict=True):
+        # int8's per-token scales: the rotations' last bits may move one across an fp16 rounding
+        torch.testing.assert_close(triton_scales, plain_scales, rtol=2**-10, atol=0)
     tokens = sum(len(row) for row in outputs["full"])
     agree = sum(
         a == b
-        for full, fp8 in zip(outputs["full"], outputs["plain"], strict=True)
-        for a, b in zip(full, fp8, strict=True)
+        for full, quantized in zip(outputs["full"], outputs["plain"], strict=True)
+        for a, b in zip(full, quantized, strict=True)
     )
-    assert agree / tokens >= 0.95, f"fp8 KV agrees on {agree} of {tokens} greedy tokens"
+    assert agree / tokens >= 0.95, f"{kind} KV agrees on {agree} of {tokens} greedy tokens"
 
 
-def test_fp8_prefill_logits_are_close_to_a_full_precision_cache(model):
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_prefill_logits_are_close_to_a_full_precision_cache(model, kind):
     from memfit.inference.paged import paged_step
 
     batch = [row[:n] for row, n in zip(_rows(3, 40, seed=4), (40, 9, 23), strict=True)]
     logits = {}
-    for kv_dtype in (None, "fp8"):
+    for kv_dtype in (None, kind):
         cache = PagedKVCache(
             CONFIG, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu",
             kv_dtype=kv_dtype,
@@ -130,14 +159,44 @@ def test_fp8_prefill_logits_are_close_to_a_full_precision_cache(model):
         if kv_dtype:
             cache.calibrate(model, _rows(2, 64, seed=2))
         logits[kv_dtype] = paged_step(model, cache, [0, 1, 2], batch)
-    error = (logits["fp8"] - logits[None]).norm() / logits[None].norm()
+    error = (logits[kind] - logits[None]).norm() / logits[None].norm()
     assert 1e-4 < error < 0.05  # quantized (not equal), and a few percent at most
 
 
-def test_llm_takes_an_fp8_cache_and_refuses_other_kinds():
-    llm = LLM("tiny", kv_cache_dtype="fp8", kv_cache_bytes=2**20)
-    assert llm.cache.kv_dtype == "fp8" and llm.cache.key_scale.ne(1).any()  # calibrated
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_llm_takes_a_quantized_cache_and_refuses_other_kinds(kind):
+    llm = LLM("tiny", kv_cache_dtype=kind, kv_cache_bytes=2**20)
+    assert llm.cache.kv_dtype == kind and llm.cache.key_offset.ne(0).any()  # calibrated
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5), progress=False)[0]
     assert len(out.token_ids) == 5
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
-        LLM("tiny", kv_cache_dtype="int8")
+        LLM("tiny", kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_preemption_recomputes_what_a_roomy_pool_keeps(model, kind):
+    """A pool too small for the batch preempts sequences and writes their keys and values again
+    on resuming: quantized with the same offsets and scales, they give the roomy pool's tokens."""
+    from memfit.inference import Engine
+
+    calibration = PagedKVCache(
+        CONFIG, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu", kv_dtype=kind
+    )
+    calibration.calibrate(model, _rows(2, 64, seed=2))
+    prompts = [row[:n] for row, n in zip(_rows(4, 12, seed=5), (3, 9, 5, 11), strict=True)]
+    outputs, preemptions = {}, {}
+    for num_blocks in (32, 6):
+        cache = PagedKVCache(
+            CONFIG, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu",
+            kv_dtype=kind,
+        )  # fmt: skip
+        for name in ("key_offset", "key_scale", "value_scale"):
+            getattr(cache, name).copy_(getattr(calibration, name))
+        engine = Engine(model, cache)
+        for prompt in prompts:
+            engine.add(prompt, SamplingParams(max_tokens=6))
+        outputs[num_blocks] = engine.run()
+        preemptions[num_blocks] = engine.preemptions
+        assert cache.pool.num_free == num_blocks and not cache.tables
+    assert preemptions[32] == 0 and preemptions[6] > 0
+    assert outputs[6] == outputs[32]

@@ -1,0 +1,135 @@
+"""Error-compensating weight quantization (GPTQ; Frantar et al. 2023, "GPTQ").
+
+Round to nearest quantizes each weight alone. GPTQ quantizes a layer's input columns one at a
+time and, after each, moves the rounding error it made onto the columns not yet quantized, in
+the proportions that keep the layer's output on calibration inputs closest (least squares under
+H = X^T X, the inputs' second moment; H^-1's Cholesky factor gives each step's update). The
+levels are the ones round to nearest would use (`quantize_int4`'s group grids, `quantize_int8`'s
+row scales, taken from the weight before any update), so the state is the same format and the
+kernels read it unchanged; only which level each weight takes differs.
+
+Blocks are quantized in order, each on the inputs the blocks before it produce once quantized,
+so a later layer's compensation sees the earlier layers' errors. Columns go in order of
+decreasing H diagonal (act order: the inputs that carry most go first, while most columns are
+left to absorb their error); the grids are fixed beforehand, so the order changes nothing of the
+format. Run it after the scaling pass (memfit.nn.awq.awq_scale) for both.
+
+    states = gptq(model, calibration_ids, "int4")          # the model's weights now dequantized
+    quantize_model(model, "int4", dtype=..., states=states)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from memfit.nn.linear import Linear
+from memfit.ops.quant import INT4_GROUP, int4_group, pack_int4
+
+DAMP = 0.01  # added to H's diagonal, as a share of its mean: keeps H^-1 well conditioned
+BLOCK = 128  # columns whose updates are applied lazily, in one product
+
+
+class _Reached(Exception):
+    """Raised by the hook at the block being calibrated: the rest of the model need not run."""
+
+
+@torch.no_grad()
+def gptq(
+    model: torch.nn.Module, calibration: Tensor, kind: str = "int4", *, group: int = INT4_GROUP
+) -> dict[str, dict[str, Tensor]]:
+    """Quantize every block's plain linear layers (those `quantize_model` quantizes) from the
+    inputs they see on `calibration` (batch, tokens) token ids; returns each layer's state by
+    path ("layers.3.mlp.down") for quantize_model(states=), and leaves each weight in the model
+    at its dequantized value (the next block's inputs come through it)."""
+    if kind not in ("int4", "int8"):
+        raise ValueError(f"GPTQ quantizes to int4 or int8, got {kind!r}")
+    states: dict[str, dict[str, Tensor]] = {}
+    for index, block in enumerate(model.layers):
+        linears = {path: m for path, m in block.named_modules() if type(m) is Linear}
+        moments: dict[torch.nn.Module, list] = {}
+
+        def keep(module, args, moments=moments):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            entry = moments.setdefault(module, [0.0, 0])
+            entry[0] = entry[0] + x.T @ x
+            entry[1] += x.shape[0]
+
+        def reached(module, args, output):
+            raise _Reached
+
+        hooks = [linear.register_forward_pre_hook(keep) for linear in linears.values()]
+        hooks.append(block.register_forward_hook(reached))
+        try:
+            model(calibration)
+        except _Reached:
+            pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for path, linear in linears.items():
+            moment, rows = moments[linear]
+            size = int4_group(linear.weight.shape[1], group) if kind == "int4" else None
+            state, weight = quantize_gptq(linear.weight, moment / rows, kind, size)
+            linear.weight.copy_(weight.to(linear.weight.dtype))
+            states[f"layers.{index}.{path}"] = state
+    return states
+
+
+def quantize_gptq(
+    weight: Tensor, hessian: Tensor, kind: str, group: int | None = None
+) -> tuple[dict[str, Tensor], Tensor]:
+    """(state, dequantized weight) of one (out, in) `weight` whose inputs have second moment
+    `hessian` (in, in) (module docstring); `group`: int4's."""
+    w = weight.float().clone()
+    rows, columns = w.shape
+    h = hessian.float().clone()
+    dead = h.diagonal() == 0  # an input that is always 0: its weights do not matter
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    if kind == "int4":
+        grouped = w.reshape(rows, columns // group, group)
+        low = grouped.amin(2).clamp(max=0.0)
+        high = grouped.amax(2).clamp(min=0.0)
+        scale = (high - low) / 15
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = torch.round(-low / safe).clamp(0, 15)
+        column_scale = safe.repeat_interleave(group, 1)
+        column_zero = zero.repeat_interleave(group, 1)
+        lowest, highest = 0.0, 15.0
+    else:
+        scale = w.abs().amax(dim=1) / 127
+        column_scale = scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None].expand(-1, columns)
+        column_zero = torch.zeros_like(column_scale)
+        lowest, highest = -127.0, 127.0
+
+    order = torch.argsort(h.diagonal(), descending=True)
+    w, h = w[:, order], h[order][:, order]
+    column_scale, column_zero = column_scale[:, order], column_zero[:, order]
+    h.diagonal().add_(DAMP * h.diagonal().mean())
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+    levels = torch.empty_like(w)
+    for start in range(0, columns, BLOCK):
+        end = min(start + BLOCK, columns)
+        part, errors = w[:, start:end].clone(), torch.empty(rows, end - start, device=w.device)
+        local = inverse[start:end, start:end]
+        for i in range(end - start):
+            s, z = column_scale[:, start + i], column_zero[:, start + i]
+            level = (torch.round(part[:, i] / s) + z).clamp(lowest, highest)
+            levels[:, start + i] = level
+            error = (part[:, i] - (level - z) * s) / local[i, i]
+            part[:, i:] -= error[:, None] * local[i, i:][None, :]
+            errors[:, i] = error
+        w[:, end:] -= errors @ inverse[start:end, end:]
+
+    restore = torch.argsort(order)
+    levels = levels[:, restore]
+    dequantized = (levels - column_zero[:, restore]) * column_scale[:, restore]
+    if kind == "int4":
+        state = {"packed": pack_int4(levels, group), "scale": scale,
+                 "zero": zero.to(torch.uint8)}  # fmt: skip
+    else:
+        state = {"q": levels.to(torch.int8), "scale": scale}
+    return state, dequantized
