@@ -1094,40 +1094,47 @@ def quant_decode_table(run: dict) -> str:
 
 def kv_fp8_table(run: dict) -> str:
     """benchmarks/inference.py --parts kv_fp8: the 256-request workload at a fixed KV pool with
-    a bf16 and an fp8 cache, and the decode kernel over either."""
+    a bf16, an fp8 and (runs from int8's commit on) an int8 cache, and the decode kernel over
+    each."""
     kv = run["kv_fp8"]
+    kinds = ("fp8", "int8") if "int8" in kv else ("fp8",)
     lines = [
         _env_line(run, "the engine's steps with CUDA graphs."),
         "",
         f"{kv['requests']} requests of {kv['new_tokens']} new tokens each (prompts of 64-512 "
         f"tokens, seeded), {kv['model']} shapes with random weights, the KV pool fixed at "
-        f"{kv['kv_budget_gib']:g} GiB for both:",
+        f"{kv['kv_budget_gib']:g} GiB for each:",
         "",
         "| KV cache | pool (tokens) | tokens/s | steps | preemptions | peak GiB |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("bf16", "fp8"):
+    for name in ("bf16", *kinds):
         r = kv[name]
         lines.append(
             f"| {name} | {r['kv_tokens']:,} | {r['tokens_per_s']:,.0f} | {r['steps']:,} | "
             f"{r['preemptions']} | {r['peak_gib']:.2f} |"
         )
+    ratios = {"fp8": kv["kv_tokens_ratio"], "int8": kv.get("int8_kv_tokens_ratio")}
+    lines += [""] + [
+        f"{kind} against bf16: {ratios[kind]:.2f}x the tokens, "
+        f"{kv[kind + '_over_bf16']:.2f}x the tokens/s." for kind in kinds
+    ]  # fmt: skip
     lines += [
         "",
-        f"fp8 against bf16: {kv['kv_tokens_ratio']:.2f}x the tokens, "
-        f"{kv['fp8_over_bf16']:.2f}x the tokens/s.",
-        "",
         "The decode kernel alone (GQA 32/8, head dim 128, 16-token pages, CUDA-graph replays), "
-        "ms (bytes of K and V read per second):",
+        "ms (bytes of K and V read per second, int8's scales included):",
         "",
-        "| batch | context | bf16 pools | fp8 pools | fp8 vs bf16 |",
-        "|---|---|---|---|---|",
-    ]
+        "| batch | context | bf16 pools | " + " | ".join(f"{k} pools | {k} vs bf16" for k in kinds)
+        + " |",
+        "|---|---|---|" + "---|---|" * len(kinds),
+    ]  # fmt: skip
     for r in kv["kernel"]:
-        lines.append(
-            f"| {r['batch']} | {r['context']:,} | {r['bf16_ms']:.3f} ({r['bf16_tb_s']:.2f} TB/s) | "
-            f"{r['fp8_ms']:.3f} ({r['fp8_tb_s']:.2f} TB/s) | {r['fp8_speedup']:.2f}x |"
-        )
+        cells = [f"{r['batch']}", f"{r['context']:,}",
+                 f"{r['bf16_ms']:.3f} ({r['bf16_tb_s']:.2f} TB/s)"]  # fmt: skip
+        for kind in kinds:
+            cells += [f"{r[kind + '_ms']:.3f} ({r[kind + '_tb_s']:.2f} TB/s)",
+                      f"{r[kind + '_speedup']:.2f}x"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

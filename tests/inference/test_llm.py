@@ -168,3 +168,38 @@ def test_a_quantized_checkpoint_round_trips(tmp_path, capsys, kind):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"does not hold this {other} model's tensors; missing"):
         LLM(out, device="cpu")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_a_calibrated_export_records_its_method_and_loads(tmp_path, capsys, method):
+    """`memfit export --quantize int4 --calibrate ...`: the levels chosen on the calibration
+    text (GPTQ keeps round to nearest's grids and moves weights between levels), recorded in
+    the config; the checkpoint loads as stored and generates. --calibrate alone is refused."""
+    from safetensors import safe_open
+
+    from memfit.cli.main import main
+
+    source, out, plain = tmp_path / "hf", tmp_path / "calibrated", tmp_path / "plain"
+    _save_transformers_model(source, "llama")
+    _write_tokenizer(source)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(1200)))
+    common = ["--quantize", "int4", "--dtype", "fp32"]
+    assert main(["export", str(source), *common, "--out", str(plain)]) == 0
+    assert main(["export", str(source), *common, "--calibrate", method, "--calibration-text",
+                 str(text), "--calibration-tokens", "1024", "--out", str(out)]) == 0  # fmt: skip
+    assert f"calibrating ({method}) on 1,024 tokens" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["calibration"] == method
+    tensors = {}
+    for directory in (plain, out):
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+            tensors[directory] = handle.get_tensor("layers.0.mlp.down.quant.packed")
+    assert not torch.equal(tensors[plain], tensors[out])
+    loaded = LLM(out, device="cpu", dtype="fp32")
+    assert loaded.quantize == "int4"
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert len(loaded.generate([[5, 6, 7]], params, progress=False)[0].token_ids) == 4
+    bad = ["export", str(source), "--calibrate", "gptq", "--out", str(tmp_path / "x")]
+    assert main(bad) != 0
+    assert "give --quantize too" in capsys.readouterr().err

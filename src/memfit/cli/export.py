@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,15 +26,46 @@ _BASE_FILES = (
 )  # fmt: skip
 
 
+CALIBRATION_ROW = 512  # tokens a row of calibration text
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How `memfit export --quantize` calibrates (memfit.nn.gptq.calibrate): the method, the
+    text file (None: Python's LICENSE.txt) and how many of its tokens."""
+
+    method: str
+    text: str | None = None
+    tokens: int = 8192
+
+    def ids(self, tokenizer, max_seq_len: int) -> torch.Tensor:
+        """(rows, CALIBRATION_ROW or the model's max_seq_len) token ids of the text's first
+        `tokens` tokens."""
+        import sysconfig
+
+        if tokenizer is None:
+            raise ValueError("--calibrate needs the checkpoint's tokenizer; this one has none")
+        path = Path(self.text or Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt")
+        if not path.is_file():
+            raise ValueError(f"no calibration text at {str(path)!r}: pass --calibration-text")
+        ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+        ids = ids[: self.tokens]
+        row = min(CALIBRATION_ROW, max_seq_len)
+        rows = len(ids) // row
+        if rows == 0:
+            raise ValueError(f"{str(path)!r} gives {len(ids)} tokens; calibrating takes {row}")
+        return torch.tensor(ids[: rows * row]).view(rows, row)
+
+
 def run_export(
     path: str, out: str, dtype: str, console: Console, quantize: str | None = None,
-    device: str = "cpu",
+    device: str = "cpu", calibration: Calibration | None = None,
 ) -> int:  # fmt: skip
     destination = Path(out)
     if destination.exists() and any(destination.iterdir()):
         raise ValueError(f"--out {out!r} exists and is not empty; export into a new directory")
     if quantize is not None:
-        return _export_quantized(path, destination, dtype, quantize, device, console)
+        return _export_quantized(path, destination, dtype, quantize, device, console, calibration)
     model, info = load_pretrained(path, device="cpu", dtype=_DTYPES[dtype])
     if info.format != "memfit":
         raise ValueError(f"{path!r} is already a Hugging Face checkpoint; nothing to export")
@@ -100,10 +132,12 @@ def _exported_config(info, dtype: str) -> tuple[dict, Path | None, str, dict]:
 
 
 def _export_quantized(
-    path: str, destination: Path, dtype: str, kind: str, device: str, console: Console
-) -> int:
+    path: str, destination: Path, dtype: str, kind: str, device: str, console: Console,
+    calibration: Calibration | None = None,
+) -> int:  # fmt: skip
     """A Hugging Face checkpoint or memfit run with its blocks' linear weights quantized
-    (memfit.models.quantized), each block quantized as soon as it is read."""
+    (memfit.models.quantized): each block quantized as soon as it is read, or, calibrated, the
+    whole model read, calibrated on text and then quantized."""
     from memfit.models.quantized import save_quantized, stored_quantization
     from memfit.nn.quant import quantize_model
 
@@ -114,8 +148,23 @@ def _export_quantized(
     def on_block(model, index: int) -> None:
         quantize_model(model, kind, dtype=torch_dtype, blocks=[index])
 
-    model, info = load_pretrained(path, device=device, dtype=torch_dtype, on_block=on_block)
-    quantize_model(model, kind, dtype=torch_dtype)  # (what on_block did not: a memfit run)
+    states = None
+    if calibration is None:
+        model, info = load_pretrained(path, device=device, dtype=torch_dtype, on_block=on_block)
+    else:
+        from memfit.nn.gptq import calibrate
+
+        model, info = load_pretrained(path, device=device, dtype=torch_dtype)
+        ids = calibration.ids(info.tokenizer, info.config.max_seq_len)
+        ids = ids.to(next(model.parameters()).device)
+        console.print(
+            f"calibrating ({calibration.method}) on {ids.numel():,} tokens of "
+            f"{escape(calibration.text or 'Python LICENSE.txt')}",
+            highlight=False,
+        )
+        model.eval()
+        states = calibrate(model, ids, kind, calibration.method)
+    quantize_model(model, kind, dtype=torch_dtype, states=states)  # (all, or what on_block left)
     if info.format == "memfit":
         hf_config, base, _, run = _exported_config(info, dtype)
         files_from = base
@@ -123,13 +172,17 @@ def _export_quantized(
     else:
         hf_config = json.loads((Path(info.path) / "config.json").read_text())
         files_from, tokenizer = Path(info.path), None
-    save_quantized(model, destination, hf_config, files_from=files_from, extra_files=_BASE_FILES)
+    save_quantized(
+        model, destination, hf_config, files_from=files_from, extra_files=_BASE_FILES,
+        calibration=calibration.method if calibration else None,
+    )  # fmt: skip
     if tokenizer is not None and not (destination / "tokenizer.json").exists():
         shutil.copy2(tokenizer, destination / "tokenizer.json")
     size = (destination / "model.safetensors").stat().st_size
     console.print(
         f"exported [cyan]{escape(str(info.path))}[/] with its blocks' linear weights in {kind} "
-        f"to [cyan]{escape(str(destination))}[/]: {size / 2**30:.2f} GiB",
+        + (f"({calibration.method}) " if calibration else "")
+        + f"to [cyan]{escape(str(destination))}[/]: {size / 2**30:.2f} GiB",
         highlight=False,
     )
     return 0

@@ -66,10 +66,12 @@ def _kind_and_group(model: torch.nn.Module) -> tuple[str, int]:
 def save_quantized(
     model: torch.nn.Module, destination: str | Path, hf_config: dict[str, Any], *,
     files_from: Path | None = None, extra_files: tuple[str, ...] = (),
+    calibration: str | None = None,
 ) -> Path:  # fmt: skip
     """Write `model` (its blocks quantized) to the new or empty directory `destination`, with
     `hf_config` (its Hugging Face config) and the files of `extra_files` found in `files_from`
-    (tokenizer, generation config). Written beside it first, renamed when complete."""
+    (tokenizer, generation config). Written beside it first, renamed when complete.
+    `calibration`: how the levels were chosen (memfit.nn.gptq.CALIBRATIONS), recorded."""
     destination = Path(destination)
     if destination.exists() and any(destination.iterdir()):
         raise ValueError(f"{str(destination)!r} exists and is not empty; save into a new directory")
@@ -77,7 +79,7 @@ def save_quantized(
     config = dict(hf_config)
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD, "kind": kind, "group": group, "format": FORMAT,
-        "modules": "the blocks' linear layers",
+        "modules": "the blocks' linear layers", "calibration": calibration or "round to nearest",
     }  # fmt: skip
     partial = destination.with_name(destination.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

@@ -16,6 +16,8 @@ format. Run it after the scaling pass (memfit.nn.awq.awq_scale) for both.
 
     states = gptq(model, calibration_ids, "int4")          # the model's weights now dequantized
     quantize_model(model, "int4", dtype=..., states=states)
+
+`calibrate` runs either pass or both (`memfit export --quantize int4 --calibrate gptq`).
 """
 
 from __future__ import annotations
@@ -133,3 +135,23 @@ def quantize_gptq(
     else:
         state = {"q": levels.to(torch.int8), "scale": scale}
     return state, dequantized
+
+
+CALIBRATIONS = ("awq", "gptq", "awq+gptq")
+
+
+@torch.no_grad()
+def calibrate(
+    model: torch.nn.Module, calibration: Tensor, kind: str, method: str, *,
+    group: int = INT4_GROUP,
+) -> dict[str, dict[str, Tensor]] | None:  # fmt: skip
+    """The calibrated pass `method` of CALIBRATIONS on `calibration` (batch, tokens) token ids
+    before quantizing `model` to `kind`: awq scales the weights in place (memfit.nn.awq), gptq
+    returns the states for quantize_model(states=); awq+gptq does both, in that order."""
+    from memfit.nn.awq import awq_scale
+
+    if method not in CALIBRATIONS:
+        raise ValueError(f"calibrate with one of {', '.join(CALIBRATIONS)}, got {method!r}")
+    if "awq" in method:
+        awq_scale(model, calibration, kind, group=group)
+    return gptq(model, calibration, kind, group=group) if "gptq" in method else None
