@@ -295,6 +295,16 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_and_is_a_fix():
         assert fixed.quantize == "int4" and fixed.kv_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         plan_serve(model, h100, kv_cache_dtype="int3")
+    # int8 keeps an fp16 scale a token and kv head beside head_dim bytes: what the cache takes
+    from memfit.inference.paged_cache import PagedKVCache
+
+    int8 = plan_serve(model, h100, kv_cache_dtype="int8")
+    assert int8.kv_bytes_per_token * 16 == PagedKVCache.bytes_per_block(
+        model, 16, torch.bfloat16, "int8"
+    )
+    assert int8.kv_bytes_per_token * 2 * model.head_dim == base.kv_bytes_per_token * (
+        model.head_dim + 2
+    )
 
 
 def test_cli_plans_an_fp8_kv_cache(capsys):

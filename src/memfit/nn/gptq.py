@@ -79,10 +79,12 @@ def gptq(
 
 
 def quantize_gptq(
-    weight: Tensor, hessian: Tensor, kind: str, group: int | None = None
-) -> tuple[dict[str, Tensor], Tensor]:
+    weight: Tensor, hessian: Tensor, kind: str, group: int | None = None,
+    grid_weight: Tensor | None = None,
+) -> tuple[dict[str, Tensor], Tensor]:  # fmt: skip
     """(state, dequantized weight) of one (out, in) `weight` whose inputs have second moment
-    `hessian` (in, in) (module docstring); `group`: int4's."""
+    `hessian` (in, in) (module docstring); `group`: int4's; `grid_weight`: the weight whose
+    ranges set the grids (default `weight`; e.g. its ranges clipped)."""
     w = weight.float().clone()
     rows, columns = w.shape
     h = hessian.float().clone()
@@ -91,7 +93,8 @@ def quantize_gptq(
     w[:, dead] = 0.0
 
     if kind == "int4":
-        grouped = w.reshape(rows, columns // group, group)
+        source = w if grid_weight is None else grid_weight.float()
+        grouped = source.reshape(rows, columns // group, group)
         low = grouped.amin(2).clamp(max=0.0)
         high = grouped.amax(2).clamp(min=0.0)
         scale = (high - low) / 15
@@ -101,7 +104,7 @@ def quantize_gptq(
         column_zero = zero.repeat_interleave(group, 1)
         lowest, highest = 0.0, 15.0
     else:
-        scale = w.abs().amax(dim=1) / 127
+        scale = (w if grid_weight is None else grid_weight.float()).abs().amax(dim=1) / 127
         column_scale = scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None].expand(-1, columns)
         column_zero = torch.zeros_like(column_scale)
         lowest, highest = -127.0, 127.0

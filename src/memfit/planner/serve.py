@@ -172,6 +172,7 @@ def weight_bytes(config: ModelConfig, dtype: Any = "bf16") -> int:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+INT8_TOKEN_SCALE_BYTES = 2  # (memfit.inference.paged_cache.TOKEN_SCALE_BYTES)
 """The KV cache in the model's dtype, or in one byte an element, fp8 e4m3 or int8
 (PagedKVCache(kv_dtype=...))."""
 
@@ -180,12 +181,16 @@ def kv_bytes_per_token(
     config: ModelConfig, dtype: Any = "bf16", kv_cache_dtype: str = "auto"
 ) -> int:
     """Keys and values of every layer for one token: 2 * L * kv_heads * head_dim * c (c = 1 for
-    an fp8 or int8 cache; its per-head scales and key offsets, L * kv_heads * (head_dim + 2) fp32, are
+    an fp8 or int8 cache; int8 adds each token's fp16 scale per head, 2 * L * kv_heads * 2;
+    the per-head scales and key offsets, L * kv_heads * (head_dim + 2) fp32, are
     not counted: a few KiB)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     element = 1 if kv_cache_dtype != "auto" else ELEMENT_BYTES[dtype_name(dtype)]
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+    per_head = config.head_dim * element + (
+        INT8_TOKEN_SCALE_BYTES if kv_cache_dtype == "int8" else 0
+    )
+    return 2 * config.num_layers * config.num_kv_heads * per_head
 
 
 def default_cuda_graph_batch_sizes(max_running: int) -> tuple[int, ...]:
@@ -616,8 +621,8 @@ def kv_pool_bytes(config: ModelConfig, gpu: GPU | str | int, **options: Any) -> 
 
 def serve_fixes(plan: ServePlan) -> list[tuple[str, ServePlan]]:
     """Single changes (CLI flags) that make a plan fit: a shorter --seq-len, a larger
-    --memory-fraction, a smaller step, no CUDA graphs, an fp8 KV cache, or the smallest catalog
-    GPU that fits."""
+    --memory-fraction, a smaller step, no CUDA graphs, an int8 or fp8 KV cache, or the smallest
+    catalog GPU that fits."""
     candidates: list[tuple[str, dict]] = []
     if plan.num_blocks >= 1:
         candidates.append((f"--seq-len {plan.kv_tokens}", {"seq_len": plan.kv_tokens}))
@@ -629,7 +634,8 @@ def serve_fixes(plan: ServePlan) -> list[tuple[str, ServePlan]]:
         candidates.append(("--max-step-tokens 512", {"max_step_tokens": 512}))
     if plan.cuda_graph_batch_sizes:
         candidates.append(("--no-cuda-graphs", {"cuda_graph_batch_sizes": ()}))
-    if plan.kv_cache_dtype == "auto":
+    if plan.kv_cache_dtype == "auto":  # (int8 loses less quality; fp8 holds a few % more)
+        candidates.append(("--kv-cache-dtype int8", {"kv_cache_dtype": "int8"}))
         candidates.append(("--kv-cache-dtype fp8", {"kv_cache_dtype": "fp8"}))
     found = []
     for label, change in candidates:
