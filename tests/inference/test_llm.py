@@ -170,8 +170,16 @@ def test_a_quantized_checkpoint_round_trips(tmp_path, capsys, kind):
         LLM(out, device="cpu")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
-def test_a_calibrated_export_records_its_method_and_loads(tmp_path, capsys, method):
+@pytest.mark.parametrize(
+    ("method", "device"),
+    [
+        ("gptq", "cpu"),
+        ("awq+gptq", "cpu"),
+        pytest.param("gptq", "cuda", marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    ],
+)  # fmt: skip
+def test_a_calibrated_export_records_its_method_and_loads(tmp_path, capsys, method, device):
     """`memfit export --quantize int4 --calibrate ...`: the levels chosen on the calibration
     text (GPTQ keeps round to nearest's grids and moves weights between levels), recorded in
     the config; the checkpoint loads as stored and generates. --calibrate alone is refused."""
@@ -184,7 +192,7 @@ def test_a_calibrated_export_records_its_method_and_loads(tmp_path, capsys, meth
     _write_tokenizer(source)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(1200)))
-    common = ["--quantize", "int4", "--dtype", "fp32"]
+    common = ["--quantize", "int4", "--dtype", "fp32", "--device", device]
     assert main(["export", str(source), *common, "--out", str(plain)]) == 0
     assert main(["export", str(source), *common, "--calibrate", method, "--calibration-text",
                  str(text), "--calibration-tokens", "1024", "--out", str(out)]) == 0  # fmt: skip

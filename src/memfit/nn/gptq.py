@@ -8,8 +8,8 @@ levels are the ones round to nearest would use (`quantize_int4`'s group grids, `
 row scales, taken from the weight before any update), so the state is the same format and the
 kernels read it unchanged; only which level each weight takes differs.
 
-Blocks are quantized in order, each on the inputs the blocks before it produce once quantized,
-so a later layer's compensation sees the earlier layers' errors. Columns go in order of
+Blocks are quantized in order, each on the hidden states the blocks before it produce once
+quantized, so a later layer's compensation sees the earlier layers' errors. Columns go in order of
 decreasing H diagonal (act order: the inputs that carry most go first, while most columns are
 left to absorb their error); the grids are fixed beforehand, so the order changes nothing of the
 format. Run it after the scaling pass (memfit.nn.awq.awq_scale) for both.
@@ -33,7 +33,7 @@ BLOCK = 128  # columns whose updates are applied lazily, in one product
 
 
 class _Reached(Exception):
-    """Raised by the hook at the block being calibrated: the rest of the model need not run."""
+    """Raised by the hook on the first block: what the model feeds it is all gptq needs."""
 
 
 @torch.no_grad()
@@ -43,29 +43,39 @@ def gptq(
     """Quantize every block's plain linear layers (those `quantize_model` quantizes) from the
     inputs they see on `calibration` (batch, tokens) token ids; returns each layer's state by
     path ("layers.3.mlp.down") for quantize_model(states=), and leaves each weight in the model
-    at its dequantized value (the next block's inputs come through it)."""
+    at its dequantized value. The model runs once up to its first block; then each block runs
+    twice on the hidden states the blocks before it (quantized) produced: once to take its
+    layers' inputs, once more, quantized, to give the next block its inputs."""
     if kind not in ("int4", "int8"):
         raise ValueError(f"GPTQ quantizes to int4 or int8, got {kind!r}")
+    taken: dict[str, tuple] = {}
+
+    def first(module, args):
+        taken["args"] = args
+        raise _Reached
+
+    hook = model.layers[0].register_forward_pre_hook(first)
+    try:
+        model(calibration)
+    except _Reached:
+        pass
+    finally:
+        hook.remove()
+    x, *rest = taken["args"]  # (every block takes the same rest: the rotary tables, metadata)
     states: dict[str, dict[str, Tensor]] = {}
     for index, block in enumerate(model.layers):
         linears = {path: m for path, m in block.named_modules() if type(m) is Linear}
         moments: dict[torch.nn.Module, list] = {}
 
         def keep(module, args, moments=moments):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            inputs = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             entry = moments.setdefault(module, [0.0, 0])
-            entry[0] = entry[0] + x.T @ x
-            entry[1] += x.shape[0]
-
-        def reached(module, args, output):
-            raise _Reached
+            entry[0] = entry[0] + inputs.T @ inputs
+            entry[1] += inputs.shape[0]
 
         hooks = [linear.register_forward_pre_hook(keep) for linear in linears.values()]
-        hooks.append(block.register_forward_hook(reached))
         try:
-            model(calibration)
-        except _Reached:
-            pass
+            block(x, *rest)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -75,6 +85,7 @@ def gptq(
             state, weight = quantize_gptq(linear.weight, moment / rows, kind, size)
             linear.weight.copy_(weight.to(linear.weight.dtype))
             states[f"layers.{index}.{path}"] = state
+        x = block(x, *rest)
     return states
 
 
