@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from memfit.nn.linear import Linear
-from memfit.ops.quant import INT4_GROUP, int4_group, pack_int4
+from memfit.ops.quant import INT4_GROUP, int4_grid, int4_group, pack_int4
 
 DAMP = 0.01  # added to H's diagonal, as a share of its mean: keeps H^-1 well conditioned
 BLOCK = 128  # columns whose updates are applied lazily, in one product
@@ -104,13 +104,7 @@ def quantize_gptq(
     w[:, dead] = 0.0
 
     if kind == "int4":
-        source = w if grid_weight is None else grid_weight.float()
-        grouped = source.reshape(rows, columns // group, group)
-        low = grouped.amin(2).clamp(max=0.0)
-        high = grouped.amax(2).clamp(min=0.0)
-        scale = (high - low) / 15
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero = torch.round(-low / safe).clamp(0, 15)
+        scale, safe, zero = int4_grid(w if grid_weight is None else grid_weight, group)
         column_scale = safe.repeat_interleave(group, 1)
         column_zero = zero.repeat_interleave(group, 1)
         lowest, highest = 0.0, 15.0

@@ -4,6 +4,7 @@ in groups of input features (asymmetric)."""
 from memfit.ops.quant.int4 import (
     INT4_GROUP,
     dequantize_int4,
+    int4_grid,
     int4_group,
     pack_int4,
     quantize_int4,
@@ -21,6 +22,7 @@ from memfit.ops.quant.nf4 import (
 __all__ = [
     "INT4_GROUP",
     "dequantize_int4",
+    "int4_grid",
     "int4_group",
     "pack_int4",
     "quantize_int4",

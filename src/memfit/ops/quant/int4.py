@@ -53,14 +53,22 @@ def quantize_int4(weight: Tensor, group: int = INT4_GROUP) -> dict[str, Tensor]:
             f"(int4_group({in_features}) picks one that does)"
         )
     w = weight.float().reshape(out_features, in_features // group, group)
+    scale, safe, zero = int4_grid(weight, group)
+    q = (torch.round(w / safe[..., None]) + zero[..., None]).clamp(0, 15)
+    return {"packed": pack_int4(q.reshape(out_features, in_features), group), "scale": scale,
+            "zero": zero.to(torch.uint8)}  # fmt: skip
+
+
+def int4_grid(weight: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each (row, group)'s grid (module docstring), fp32 (out, in / group) each: the scale, the
+    scale with 1 where it is 0 (safe to divide by), and the zero point."""
+    out_features, in_features = weight.shape
+    w = weight.float().reshape(out_features, in_features // group, group)
     low = w.amin(dim=2).clamp(max=0.0)
     high = w.amax(dim=2).clamp(min=0.0)
     scale = (high - low) / 15
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = torch.round(-low / safe).clamp(0, 15)
-    q = (torch.round(w / safe[..., None]) + zero[..., None]).clamp(0, 15)
-    return {"packed": pack_int4(q.reshape(out_features, in_features), group), "scale": scale,
-            "zero": zero.to(torch.uint8)}  # fmt: skip
+    return scale, safe, torch.round(-low / safe).clamp(0, 15)
 
 
 def pack_int4(levels: Tensor, group: int) -> Tensor:
