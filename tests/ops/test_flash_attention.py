@@ -284,3 +284,15 @@ def test_a_narrow_window_is_tuned_among_small_tiles():
     assert [c.kwargs for c in narrow] == [{"BLOCK_M": 64, "BLOCK_N": 64}]
     for band in (0, 1024, 16384):
         assert launch._narrow_band_configs(configs, {"TUNE_W": band}) == configs
+    backward = [
+        triton.Config(
+            {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2},
+            num_warps=w, num_stages=st,
+        )
+        for m1, n1, m2, n2, w, st in launch._BWD_CONFIGS[128] + launch._NARROW_ONLY[128]
+    ]  # fmt: skip
+    narrow = [launch._key(c) for c in launch._narrow_band_configs(backward, {"TUNE_W": 512})]
+    assert narrow == [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3)]
+    wide = [launch._key(c) for c in launch._narrow_band_configs(backward, {"TUNE_W": 0})]
+    assert wide == [tuple(c) for c in launch._BWD_CONFIGS[128]]
+    assert launch._merge(512) and not launch._merge(0) and not launch._merge(1024)

@@ -236,6 +236,7 @@ def _bwd_kernel(
     BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     REVERSE: tl.constexpr,
+    MERGE: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M1: tl.constexpr,
     BLOCK_N1: tl.constexpr,
@@ -279,21 +280,28 @@ def _bwd_kernel(
         do_base = DO + off_b64 * stride_dob + q_start64 * stride_don + off_h * stride_doh
         lse_base = lse_b + off_h * stride_lh
         delta_base = delta_b + off_h * stride_lh
-        dk, dv = _bwd_dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, stride_qh,
-            stride_doh, stride_lh, lo, mid_lo, offs_n, offs_d, seqlen_q, shift, left, right,
-            qk_scale, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
-        )  # fmt: skip
-        dk, dv = _bwd_dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, stride_qh,
-            stride_doh, stride_lh, mid_lo, mid_hi, offs_n, offs_d, seqlen_q, shift, left, right,
-            qk_scale, False, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
-        )  # fmt: skip
-        dk, dv = _bwd_dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, stride_qh,
-            stride_doh, stride_lh, mid_hi, hi, offs_n, offs_d, seqlen_q, shift, left, right,
-            qk_scale, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
-        )  # fmt: skip
+        if MERGE:  # a narrow band: one masked loop (the forward's MERGE)
+            dk, dv = _bwd_dkdv_blocks(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don,
+                stride_qh, stride_doh, stride_lh, lo, hi, offs_n, offs_d, seqlen_q, shift, left,
+                right, qk_scale, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
+            )  # fmt: skip
+        else:
+            dk, dv = _bwd_dkdv_blocks(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don,
+                stride_qh, stride_doh, stride_lh, lo, mid_lo, offs_n, offs_d, seqlen_q, shift,
+                left, right, qk_scale, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
+            )  # fmt: skip
+            dk, dv = _bwd_dkdv_blocks(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don,
+                stride_qh, stride_doh, stride_lh, mid_lo, mid_hi, offs_n, offs_d, seqlen_q, shift,
+                left, right, qk_scale, False, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
+            )  # fmt: skip
+            dk, dv = _bwd_dkdv_blocks(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don,
+                stride_qh, stride_doh, stride_lh, mid_hi, hi, offs_n, offs_d, seqlen_q, shift,
+                left, right, qk_scale, True, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M1, INTERPRET,
+            )  # fmt: skip
         dk = dk * softmax_scale
         dk_base = DK + off_b64 * stride_dkb + k_start64 * stride_dkn + off_hk * stride_dkh
         dv_base = DV + off_b64 * stride_dvb + k_start64 * stride_dvn + off_hk * stride_dvh
@@ -333,21 +341,28 @@ def _bwd_kernel(
         v_base = V + off_b64 * stride_vb + k_start64 * stride_vn + off_hk * stride_vh
         dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
         lo, mid_lo, mid_hi, hi = _band(start_m, seqlen_k, shift, left, right, BLOCK_N2, BLOCK_M2)
-        dq = _bwd_dq_blocks(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, lo, mid_lo, offs_m,
-            offs_d, seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N2,
-            INTERPRET,
-        )  # fmt: skip
-        dq = _bwd_dq_blocks(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, mid_lo, mid_hi, offs_m,
-            offs_d, seqlen_k, shift, left, right, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N2,
-            INTERPRET,
-        )  # fmt: skip
-        dq = _bwd_dq_blocks(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, mid_hi, hi, offs_m,
-            offs_d, seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N2,
-            INTERPRET,
-        )  # fmt: skip
+        if MERGE:
+            dq = _bwd_dq_blocks(
+                dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, lo, hi, offs_m,
+                offs_d, seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N2,
+                INTERPRET,
+            )  # fmt: skip
+        else:
+            dq = _bwd_dq_blocks(
+                dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, lo, mid_lo, offs_m,
+                offs_d, seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N2,
+                INTERPRET,
+            )  # fmt: skip
+            dq = _bwd_dq_blocks(
+                dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, mid_lo, mid_hi,
+                offs_m, offs_d, seqlen_k, shift, left, right, qk_scale, False, HEAD_DIM, BLOCK_D,
+                BLOCK_N2, INTERPRET,
+            )  # fmt: skip
+            dq = _bwd_dq_blocks(
+                dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, mid_hi, hi, offs_m,
+                offs_d, seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N2,
+                INTERPRET,
+            )  # fmt: skip
         dq = dq * softmax_scale
         dq_base = DQ + off_b64 * stride_dqb + q_start64 * stride_dqn + off_h * stride_dqh
         tl.store(

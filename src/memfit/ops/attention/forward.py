@@ -100,6 +100,7 @@ def _fwd_kernel(
     BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     REVERSE: tl.constexpr,
+    MERGE: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -135,18 +136,25 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, mid_lo, offs_m, offs_d,
-        seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, INTERPRET,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_lo, mid_hi, offs_m, offs_d,
-        seqlen_k, shift, left, right, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, INTERPRET,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_hi, hi, offs_m, offs_d,
-        seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, INTERPRET,
-    )  # fmt: skip
+    if MERGE:  # a narrow band: one masked loop, pipelined across all its blocks
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, offs_m, offs_d,
+            seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, INTERPRET,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, mid_lo, offs_m, offs_d,
+            seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, INTERPRET,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_lo, mid_hi, offs_m,
+            offs_d, seqlen_k, shift, left, right, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+            INTERPRET,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_hi, hi, offs_m, offs_d,
+            seqlen_k, shift, left, right, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_N, INTERPRET,
+        )  # fmt: skip
 
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]

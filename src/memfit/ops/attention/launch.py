@@ -36,20 +36,31 @@ _BWD_CONFIGS = {
 # the band's edges per row. On an H100 (window 512, 16k, head dim 128) the 64 x 64 forward took
 # 0.24 ms against 0.29-0.48 for the others, the 64-tile backward 0.73 against 0.80-1.04, and
 # the autotuner's timings, a few hundred microseconds each, did not always pick them. Wider
-# windows (where the edges are a smaller part of the band) are tuned among every candidate.
+# windows (where the edges are a smaller part of the band) are tuned among every candidate but
+# _NARROW_ONLY's: a backward whose dk/dv programs walk query blocks of 32 (and dq programs key
+# blocks of 32) wastes half as many rows at a band's edges, 0.70-0.73 ms against 0.70-0.74 for
+# the 64-tile one there (H100, merged loops: MERGE_BAND), and is for narrow bands alone.
 NARROW_BAND = 512
+_NARROW_ONLY = {128: [(32, 64, 64, 32, 4, 3)]}
 _INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16}
 _INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}
 _TUNE_KEY = ["HEAD_DIM", "BLOCK_D", "GROUP", "IS_VARLEN", "REVERSE", "TUNE_N", "TUNE_W"]
 _tuned: dict[tuple[str, int], object] = {}
 
 
+def _key(config) -> tuple:
+    """A candidate as the tuples of _FWD_CONFIGS / _BWD_CONFIGS write it."""
+    blocks = [v for k, v in config.kwargs.items() if k.startswith("BLOCK")]
+    return (*blocks, config.num_warps, config.num_stages)
+
+
 def _narrow_band_configs(configs, named_args, **kwargs):
     """The autotuner's pruning (NARROW_BAND): for a narrow band, the candidates with tiles of
-    at most 64 (all of them when none has)."""
+    at most 64 (all of them when none has); for anything else, all but _NARROW_ONLY's."""
     band = named_args.get("TUNE_W", kwargs.get("TUNE_W", 0))
+    narrow_only = {key for keys in _NARROW_ONLY.values() for key in keys}
     if not 0 < band <= NARROW_BAND:
-        return configs
+        return [c for c in configs if _key(c) not in narrow_only] or configs
     small = [
         c for c in configs if max(v for k, v in c.kwargs.items() if k.startswith("BLOCK")) <= 64
     ]
@@ -83,7 +94,7 @@ def _kernel(kind: str, block_d: int):
                     num_warps=w,
                     num_stages=s,
                 )
-                for m1, n1, m2, n2, w, s in _BWD_CONFIGS[table]
+                for m1, n1, m2, n2, w, s in _BWD_CONFIGS[table] + _NARROW_ONLY.get(table, [])
             ]
             _tuned[key] = triton.autotune(
                 configs,
@@ -145,14 +156,28 @@ def _tune_w(left: int, right: int, seqlen_k: int) -> int:
     return _tune_n(width) if width < seqlen_k else 0
 
 
+MERGE_BAND = True
+
+
+def _merge(tune_w: int) -> bool:
+    """Whether the kernels walk a narrow band (NARROW_BAND) in one masked loop instead of three
+    (masked edge, unmasked middle, masked edge): with a band of a few blocks, each loop's
+    software pipeline starts and drains for one or two blocks."""
+    return MERGE_BAND and 0 < tune_w <= NARROW_BAND
+
+
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right, scale):
     batch, heads, heads_kv, head_dim = _shape(q, k, cu_seqlens_q)
     varlen = cu_seqlens_q is not None
     out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     lse_shape = (heads, q.shape[0]) if varlen else (batch, heads, q.shape[1])
-    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    # (every row's lse is written but for packed rows past cu_seqlens_q[-1]: -inf there)
+    if varlen:
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
-        return out.zero_(), lse
+        return out.zero_(), lse.fill_(float("-inf"))
     block_d = max(16, triton.next_power_of_2(head_dim))
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     tune = (_tune_n(max(max_seqlen_q, max_seqlen_k)), _tune_w(left, right, max_seqlen_k))
@@ -167,7 +192,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, le
     )  # fmt: skip
     meta = dict(
         GROUP=heads // heads_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
-        REVERSE=right < NO_LIMIT, INTERPRET=interpreter_enabled(),
+        REVERSE=right < NO_LIMIT, MERGE=_merge(tune[1]), INTERPRET=interpreter_enabled(),
     )  # fmt: skip
     _launch_tuned("fwd", block_d, grid, q.device, args, (*tune, q.dtype), meta)
     return out, lse
@@ -226,7 +251,7 @@ def _backward(
     )  # fmt: skip
     meta = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen,
-        REVERSE=right < NO_LIMIT, INTERPRET=interpret,
+        REVERSE=right < NO_LIMIT, MERGE=_merge(tune[1]), INTERPRET=interpret,
     )  # fmt: skip
     _launch_tuned("bwd", block_d, grid, q.device, args, (*tune, q.dtype, dout.dtype), meta)
     return dq, dk, dv
