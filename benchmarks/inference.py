@@ -252,22 +252,8 @@ def throughput(device: torch.device, requests: int, new_tokens: int) -> dict:
     prompts = _prompts(requests, 64, 512, 128256)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     llm = LLM("llama-3.2-1b", device=device)
-    llm.generate(prompts[:8], params, progress=False)  # warm-up: kernels compiled, graphs made
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, progress=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outputs)
-    stats = llm.last_stats
-    memfit = {
-        "tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
-        "peak_gib": torch.cuda.max_memory_allocated() / GiB, "steps": stats["steps"],
-        "preemptions": stats["preemptions"], "kv_waste_mean": stats["kv_waste_mean"],
-        "kv_blocks_peak": stats["kv_blocks_peak"], "kv_blocks": stats["kv_blocks"],
-        "decode_steps": stats["decode_steps"], "decode_seconds": stats["decode_seconds"],
-    }  # fmt: skip
+    memfit = _engine_run(llm, prompts, params)
+    generated, seconds = memfit["generated_tokens"], memfit["seconds"]
     print(
         f"memfit engine: {memfit['tokens_per_s']:,.0f} tokens/s ({generated} tokens in "
         f"{seconds:.2f} s), KV waste {memfit['kv_waste_mean']:.2%}, peak {memfit['peak_gib']:.1f} "
@@ -296,9 +282,9 @@ def _engine_run(llm, prompts, params) -> dict:
     return {
         "tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
         "peak_gib": torch.cuda.max_memory_allocated() / GiB, "steps": stats["steps"],
-        "preemptions": stats["preemptions"], "kv_blocks": stats["kv_blocks"],
-        "kv_blocks_peak": stats["kv_blocks_peak"], "decode_steps": stats["decode_steps"],
-        "decode_seconds": stats["decode_seconds"],
+        "preemptions": stats["preemptions"], "kv_waste_mean": stats["kv_waste_mean"],
+        "kv_blocks": stats["kv_blocks"], "kv_blocks_peak": stats["kv_blocks_peak"],
+        "decode_steps": stats["decode_steps"], "decode_seconds": stats["decode_seconds"],
     }  # fmt: skip
 
 
