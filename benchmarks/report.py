@@ -928,15 +928,34 @@ def sparse_attention_table(run: dict) -> str:
     """benchmarks/sparse_attention.py: memfit's sparse attention against torch.compile(Flex)
     with the same masks, and against memfit's dense causal FlashAttention."""
     rows = _sparse_rows(run)
+    graphs = any("forward_backward_graph_ms" in r for r in rows.values())
     lines = [
         _env_line(run, "median of CUDA-event times after warm-up."),
         "",
         f"Batch 1, {run['heads']} heads, head dim {run['head_dim']}, bf16; forward + backward "
-        "(forward alone), ms:",
+        "(forward alone), ms"
+        + (
+            "; CUDA graph: ten forward + backward calls captured in one graph and replayed, ms "
+            "a call, memfit / Flex"
+            if graphs
+            else ""
+        )
+        + ":",
         "",
-        "| N | pattern | memfit | Flex | memfit vs Flex | memfit vs dense causal |",
-        "|---|---|---|---|---|---|",
+        "| N | pattern | memfit | Flex | memfit vs Flex | memfit vs dense causal |"
+        + (" CUDA graph | memfit vs Flex, CUDA graph |" if graphs else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if graphs else ""),
     ]
+
+    def graph(r: dict | None, flex: dict | None) -> str:
+        if not graphs:
+            return ""
+        ours, theirs = (x.get("forward_backward_graph_ms") if x else None for x in (r, flex))
+        if ours is None:
+            return " - | - |"
+        if theirs is None:
+            return f" {ours:.2f} / - | - |"
+        return f" {ours:.2f} / {theirs:.2f} | {theirs / ours:.2f}x |"
 
     def ms(r: dict | None) -> str:
         if r is None:
@@ -965,10 +984,12 @@ def sparse_attention_table(run: dict) -> str:
                 lines.append(
                     f"| {n // 1024}k | {name} | {ms(r)} | {ms(flex if system == 'memfit' else None)}"
                     f" | {versus if system == 'memfit' else '-'} | {to_dense} |"
+                    + graph(r, flex if system == "memfit" else None)
                 )
         if dense:
             lines.append(
                 f"| {n // 1024}k | dense causal (memfit flash) | {ms(dense)} | - | - | 1x |"
+                + graph(dense, None)
             )
     return "\n".join(lines)
 
