@@ -28,7 +28,9 @@ cache) and sees keys j with p - left <= j <= p + right; causal is right = 0. A p
 the key blocks that intersect this band (FA2's causal block skipping, FlexAttention's sliding
 window block skipping), in three runs: masked blocks at the band's left edge, unmasked blocks in
 the middle (no index arithmetic, no bounds checks), masked blocks at the right edge and at the
-end of the sequence. Query rows and keys past the sequence end are loaded as zeros and never
+end of the sequence; a band of at most 512 keys in one masked run (launch.MERGE_BAND: each run
+starts and drains its own software pipeline, which costs more than the masks over a few blocks).
+Query rows and keys past the sequence end are loaded as zeros and never
 stored, so any length works, not only multiples of the block size.
 
 Layouts. q, k, v, out: (batch, seqlen, heads, head_dim) with any strides whose last is 1 (e.g.
