@@ -1069,7 +1069,24 @@ def sparse_decode_table(run: dict) -> str:
 
 
 def quant_decode_table(run: dict) -> str:
-    """benchmarks/quant_decode.py: quantized GEMV kernels and batch-1 decode against bf16."""
+    """benchmarks/quant_decode.py: quantized GEMV kernels and batch-1 decode against bf16; each
+    model's batch-1 rows from the newest run that has them (a run may measure one model), each
+    run that gives rows with its own header."""
+    newest_for: dict[str, int] = {}
+    runs = run.get("all_runs", [run])
+    for index, r in enumerate(runs):
+        for row in r.get("batch1", []):
+            newest_for[row["model"]] = index
+    parts = []
+    for index in sorted(set(newest_for.values())):
+        r = runs[index]
+        models = {m for m, i in newest_for.items() if i == index}
+        rows = [row for row in r["batch1"] if row["model"] in models]
+        parts.append(_quant_decode_run({**r, "batch1": rows}))
+    return "\n\n".join(parts)
+
+
+def _quant_decode_run(run: dict) -> str:
     lines = [
         _env_line(run, f"device-to-device copy {run['copy_tb_s']:.2f} TB/s."),
         "",
