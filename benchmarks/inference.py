@@ -64,23 +64,6 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * GiB / seconds
 
 
-def graph_seconds(fn, calls: int = 20, repeat: int = 20) -> float:
-    """GPU seconds of one call of `fn`, replayed from a CUDA graph of `calls` calls: what the
-    engine's captured decode step pays, without Python's launch overhead (a 45 us kernel is
-    shorter than its launch from Python, so back-to-back eager calls would time the host)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return harness.median(harness.time_calls(graph.replay, warmup=3, repeat=repeat)) / calls
-
-
 def _paged_case(batch, context, heads_q, heads_kv, head_dim, page, device):
     blocks_per_seq = -(-context // page)
     num_blocks = batch * blocks_per_seq
@@ -126,7 +109,7 @@ def _kernel_case(batch, context, heads_q, heads_kv, head_dim, *, device, copy_bw
 
     ref = sdpa()[:, :, 0].float()
     err = (memfit().float() - ref).abs().max().item()
-    t_sdpa, t_memfit = graph_seconds(sdpa), graph_seconds(memfit)
+    t_sdpa, t_memfit = harness.graph_seconds(sdpa), harness.graph_seconds(memfit)
     eager_sdpa = harness.median(harness.time_calls(sdpa, warmup=5, repeat=50))
     eager_memfit = harness.median(harness.time_calls(memfit, warmup=5, repeat=50))
     row = {
@@ -161,7 +144,7 @@ def _sweep(memfit, kv_bytes, batch, heads_kv, context, device) -> list[dict]:
         for config in [(32, 2, 3), (32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)]:
             paged_ops.DECODE_CONFIGS[block_d] = config
             for splits in sorted({max(1, base // 2), base, base * 2, base * 4}):
-                seconds = graph_seconds(lambda s=splits: memfit(s), calls=10, repeat=10)
+                seconds = harness.graph_seconds(lambda s=splits: memfit(s), calls=10, repeat=10)
                 out.append({"config": config, "splits": splits, "tb_s": kv_bytes / seconds / 1e12})
     finally:
         paged_ops.DECODE_CONFIGS[block_d] = default
@@ -211,7 +194,10 @@ def _prefill_case(prefix: int, new: int, *, device, sweep: bool) -> dict:
         return flash_attention(q[None], k, v, causal=True)
 
     err = (memfit().float() - flash()[0].float()).abs().max().item()
-    t_memfit, t_flash = graph_seconds(memfit, calls=5), graph_seconds(flash, calls=5)
+    t_memfit, t_flash = (
+        harness.graph_seconds(memfit, calls=5),
+        harness.graph_seconds(flash, calls=5),
+    )
     row = {
         "prefix": prefix, "new_tokens": new, "memfit_ms": t_memfit * 1e3,
         "flash_ms": t_flash * 1e3, "memfit_tflops": flops / t_memfit / 1e12,
@@ -223,7 +209,7 @@ def _prefill_case(prefix: int, new: int, *, device, sweep: bool) -> dict:
             for config in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3),
                            (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]:  # fmt: skip
                 paged_ops.CHUNK_CONFIGS[128] = config
-                seconds = graph_seconds(memfit, calls=5, repeat=10)
+                seconds = harness.graph_seconds(memfit, calls=5, repeat=10)
                 found.append({"config": config, "tflops": flops / seconds / 1e12})
         finally:
             paged_ops.CHUNK_CONFIGS[128] = default
@@ -324,7 +310,7 @@ def _fp8_sweep_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> l
     def bf16():
         return paged_ops.paged_attention(q, key_pool, value_pool, **metadata)
 
-    t_bf16, rows = graph_seconds(bf16), []
+    t_bf16, rows = harness.graph_seconds(bf16), []
     for kind in ("fp8", "int8"):
         pools, (k_scale, v_scale) = _one_byte_pools(key_pool, value_pool, kind)
         table = paged_ops.DECODE_CONFIGS_FP8 if kind == "fp8" else paged_ops.DECODE_CONFIGS_INT8
@@ -337,7 +323,7 @@ def _fp8_sweep_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> l
 
         for config in FP8_SWEEP_CONFIGS:
             table[head_dim] = config
-            t = graph_seconds(run)
+            t = harness.graph_seconds(run)
             rows.append({"batch": batch, "context": context, "head_dim": head_dim, "kind": kind,
                          "config": list(config), f"{kind}_us": t * 1e6,
                          "bf16_us": t_bf16 * 1e6})  # fmt: skip
@@ -412,7 +398,11 @@ def _fp8_kernel_case(batch, context, heads_q, heads_kv, head_dim, *, device) -> 
 
     err = (fp8().float() - widened.float()).abs().max().item()
     err_i8 = (int8().float() - widened_i8.float()).abs().max().item()
-    t_bf16, t_fp8, t_i8 = graph_seconds(bf16), graph_seconds(fp8), graph_seconds(int8)
+    t_bf16, t_fp8, t_i8 = (
+        harness.graph_seconds(bf16),
+        harness.graph_seconds(fp8),
+        harness.graph_seconds(int8),
+    )
     elements = 2 * batch * context * heads_kv * head_dim
     scale_bytes = 2 * batch * context * heads_kv * 2
     row = {

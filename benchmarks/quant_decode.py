@@ -65,18 +65,7 @@ def _copies(make, nbytes: int) -> list:
 
 def graph_us(fns: list) -> float:
     """Microseconds of one call, the calls (one per weight copy) replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    seconds = harness.median(harness.time_calls(graph.replay, warmup=3, repeat=20))
-    return seconds / len(fns) * 1e6
+    return harness.graph_seconds(lambda: [fn() for fn in fns], calls=1) / len(fns) * 1e6
 
 
 def _weights(n: int, k: int, seed: int, device) -> torch.Tensor:

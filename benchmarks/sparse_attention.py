@@ -157,7 +157,7 @@ def measure(fn, args) -> dict:
     both_ms = harness.median(harness.time_calls(both, warmup=3, repeat=10)) * 1e3
     row = {"forward_ms": forward_ms, "forward_backward_ms": both_ms}
     try:
-        row["forward_backward_graph_ms"] = graph_ms(both)
+        row["forward_backward_graph_ms"] = harness.graph_seconds(both, calls=10, repeat=10) * 1e3
     except Exception as error:  # (a system whose call cannot be captured keeps its other times)
         row["graph_error"] = f"{type(error).__name__}: {str(error)[:200]}"
     torch.cuda.synchronize()
@@ -167,26 +167,6 @@ def measure(fn, args) -> dict:
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - before) / 2**20
     return row | {"extra_mib": extra}
-
-
-def graph_ms(fn, calls: int = 10, repeat: int = 10) -> float:
-    """Milliseconds per call of `fn` captured `calls` times in one CUDA graph and replayed
-    (median of `repeat` replays): the device's time for back-to-back calls with the host's time
-    to issue them taken out, for every system alike (where a call is short, event times of
-    eager calls measure the host: module docstring)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    spans = harness.time_calls(graph.replay, warmup=2, repeat=repeat)
-    del graph
-    return harness.median(spans) * 1e3 / calls
 
 
 TRAIN_PATTERNS = {
