@@ -127,9 +127,11 @@ def sweep(device) -> list[dict]:
     shapes = layer_shapes("llama-3-8b")
     rows = []
     original = dict(quant_gemv_module.CONFIG)
+    # BLOCK_N rows a program; int4 tiles of 4-16 groups of 128 (16 words), int8 of 512-2048
+    # features; whatever the tile's width leaves of a program's threads goes to the rows
     grids = {
-        "int4": itertools.product((1, 2, 4, 8), (4, 8, 16, 32), (4, 8), (3,)),
-        "int8": itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8), (3,)),
+        "int4": itertools.product((1, 2, 4, 8), (4, 8, 16), (2, 4, 8), (1,)),
+        "int8": itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4, 8), (1,)),
     }
     for kind in QUANTIZE:
         cases = {}

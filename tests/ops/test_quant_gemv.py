@@ -71,6 +71,23 @@ def test_swiglu_and_residual_folds_match_the_separate_ops(monkeypatch, kind):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_gemv_is_exact_across_the_range_of_activations(monkeypatch, kind):
+    """x scaled by a power of two (exact in bf16) scales the product exactly: the kernel's
+    fixed scaling of int4 products (2^-64) neither overflows nor loses bits from 1e-12 to 1e9."""
+    kernels_on_cpu(monkeypatch)
+    check_range(kind, "cpu")
+
+
+def check_range(kind, device):
+    state = quantized(kind, 21, 256, device)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+    y = quant_gemv(x, state, kind, (21, 256)).float()
+    for power in (-40, 30):
+        scaled = quant_gemv(x * 2.0**power, state, kind, (21, 256)).float()
+        torch.testing.assert_close(scaled, y * 2.0**power, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_quantized_layer_takes_the_gemv_for_one_row(monkeypatch, kind):
     kernels_on_cpu(monkeypatch)
     calls = []
@@ -118,3 +135,4 @@ def test_bad_inputs_say_what_is_wrong(monkeypatch):
 def test_the_quantized_gemv_on_cuda(kind, shape):
     check_gemv(kind, *shape, torch.bfloat16, "cuda", 1e-6)
     check_folds(kind, shape[0] // 2, shape[1], "cuda")
+    check_range(kind, "cuda")

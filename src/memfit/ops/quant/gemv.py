@@ -4,30 +4,34 @@ and the residual add after it folded in as memfit.ops.gemv does for bf16 weights
 
 At one token per step the product streams W once, so its time is W's bytes over the memory's
 bandwidth: 1 byte a weight for int8 and 0.54 (4 bits and a group's scale and zero) for int4,
-against 2 for bf16. Each weight becomes fp32 without a conversion instruction: its integer is
-put into the low mantissa bits of 2^23 (one logic instruction, after a shift for int4) and 2^23
-is subtracted together with the zero point (int4) or with the 128 that made int8 unsigned, one
-floating-point instruction; then one multiply-add with x.
+against 2 for bf16. At those rates the instructions that turn levels into numbers, not the
+memory, bound the kernel, so each weight costs as few as the bits allow:
 
-- int8 (`quantize_int8`, a scale per row): a program owns BLOCK_N rows and walks K in tiles of
-  BLOCK_K features; a row's sum is scaled once at the end.
+- int8 (`quantize_int8`, a scale per row): the byte, its sign bit flipped (q + 128), is put
+  into the low mantissa bits of 2^23 (one logic instruction) and 2^23 + 128 is subtracted (one
+  floating-point instruction); then a multiply-add with x. A program owns BLOCK_N rows and
+  walks K in tiles of BLOCK_K features, eight a thread, W's bytes and x's values in one
+  layout; a row's sum is scaled once at the end.
 - int4 (`quantize_int4`, groups of 8 * WORDS features, eight levels a 32-bit word interleaved
   in the group): a tile is (BLOCK_N rows, BLOCK_K groups, WORDS words); nibble j of a group's
-  words holds its features j * WORDS .. j * WORDS + WORDS - 1, so each of the eight nibble
-  positions multiplies a contiguous slice of x. A group's partial sums are scaled once a word.
+  words holds its features j * WORDS .. j * WORDS + WORDS - 1, so each nibble position
+  multiplies a contiguous slice of x. A nibble masked in place (one logic instruction) is read
+  as a float: the subnormal q 2^(4p - 149) for the nibble at bits 4p..4p+3 (p <= 5; nibbles 6
+  and 7 after one shift of the word), and the multiply-add with x scaled by 2^(149 - 4p - 64)
+  forms q x 2^-64 exactly. The zero point comes off once a word through the sum of x,
+  (q - z) x = q x - z x, and the scale once a word; the tile after the current one is read
+  before the current one is used, so that loads stay in flight.
 
-A few rows a program and long tiles along K keep enough loads in flight per SM to stream W at
-the memory's bandwidth on narrow layers too (a decode step's out and down projections have few
-rows and long rows).
-
-Numerics: x widened to fp32, every weight exact in fp32 ((q - z) or q), products and sums in
-fp32, scales applied in fp32, one rounding to the output dtype: more exact than multiplying by
-the weight dequantized to bf16 (the reference that `dequantize` then F.linear computes), whose
-error against an fp32 product the tests bound it by. The swiglu and residual folds round each
-half and the product as the separate ops would (memfit.ops.gemv).
+Numerics: x widened to fp32, every product exact in fp32, sums in fp32, scales applied in
+fp32, one rounding to the output dtype: more exact than multiplying by the weight dequantized
+to bf16 (the reference that `dequantize` then F.linear computes), whose error against an fp32
+product the tests bound it by. int4's scaling by 2^-64 is exact for |x| below 2^43 and sums
+above 2^-62 (activations of a bf16 model are inside by far). The swiglu and residual folds
+round each half and the product as the separate ops would (memfit.ops.gemv).
 
 Under programmatic dependent launch (the engine's decode step) a program signals its
-dependents at once and waits for the kernel before it before reading anything.
+dependents at once, reads its first tile of W and waits for the kernel before it before
+reading x.
 """
 
 from __future__ import annotations
@@ -42,117 +46,165 @@ __all__ = ["quant_gemv", "gemv_supported"]
 
 # int8: (BLOCK_N, BLOCK_K, num_warps, num_stages); int4: (BLOCK_N, groups a tile, num_warps,
 # num_stages). The fastest of a sweep on an H100 over llama-3-8b's four layers together
-# (results/quant_decode.json): int8 94.6 us, int4 82.2 us, against 155 us for bf16.
-CONFIG = {"int8": (1, 1024, 4, 3), "int4": (8, 8, 8, 3)}
+# (results/quant_gemv_variants.json): int8 88.0 us, int4 76.0 us, against 155 us for bf16
+# (94.6 and 82.2 for the kernel before, which spent a shift, a bit-field extract and a
+# subtraction more on each int4 weight).
+CONFIG = {"int8": (2, 1024, 2, 1), "int4": (8, 8, 8, 1)}
+# int4 products are formed at 2^-SHIFT (`_int4_nibbles`): exact for |x| below 2^(SHIFT - 21),
+# sums normal down to 2^(SHIFT - 126)
+SHIFT = tl.constexpr(64)
 _INTERPRET = {"int8": (4, 32, 1, 1), "int4": (4, 2, 1, 1)}
 
 
 @triton.jit
-def _int8_tile(w_rows, x_ptr, start, rows_ok, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """(int8 tile at `start`, its x in fp32); past K zeros (EVEN: K a multiple of BLOCK_K, and
-    a start past the end reads the last tile again, never used)."""
+def _int8_cols(start, BLOCK_K: tl.constexpr):
+    """A tile's features as (BLOCK_K / 8, 8): eight a thread at a time, so that W's bytes and
+    x's values take one layout (no exchange through shared memory)."""
+    return start + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+
+
+@triton.jit
+def _int8_w(w_rows, cols, rows_ok, K, EVEN: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K / 8, 8) int8 tile at `cols`, zeros past K."""
     if EVEN:
-        start = tl.multiple_of(tl.minimum(start, K - BLOCK_K), BLOCK_K)
-    cols = start + tl.arange(0, BLOCK_K)
-    if EVEN:
-        q = tl.load(w_rows + cols[None, :], mask=rows_ok[:, None], other=0)
-        x = tl.load(x_ptr + cols)
+        return tl.load(w_rows + cols[None, :, :], mask=rows_ok[:, None, None], other=0)
+    ok = rows_ok[:, None, None] & (cols < K)[None, :, :]
+    return tl.load(w_rows + cols[None, :, :], mask=ok, other=0)
+
+
+@triton.jit
+def _int8_products(q, x_ptr, cols, K, EVEN: tl.constexpr):
+    """q * x, (BLOCK_N, BLOCK_K / 8, 8) fp32: the byte, its sign bit flipped (q + 128), put in
+    the mantissa of 2^23, and 2^23 + 128 taken off."""
+    if EVEN:  # x as (1, BLOCK_K / 8, 8): the layout of q's tile
+        x = tl.load(x_ptr + cols[None, :, :]).to(tl.float32)
     else:
-        q = tl.load(w_rows + cols[None, :], mask=rows_ok[:, None] & (cols < K)[None, :], other=0)
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    return q, x.to(tl.float32)
+        x = tl.load(x_ptr + cols[None, :, :], mask=(cols < K)[None, :, :], other=0.0)
+        x = x.to(tl.float32)
+    bits = (q.to(tl.int32) & 0xFF) ^ 0x4B000080
+    return (bits.to(tl.float32, bitcast=True) - 8388736.0) * x
 
 
 @triton.jit
 def _int8_rows(
     x_ptr, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """W[rows] x for int8 W (N, K) with a scale per row: (BLOCK_N,) fp32. The next tile is
-    loaded before the current one is used, so that its loads are in flight meanwhile."""
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    q, x = _int8_tile(w_rows, x_ptr, 0, rows_ok, K, BLOCK_K, EVEN)
-    for start in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-        q_next, x_next = _int8_tile(w_rows, x_ptr, start, rows_ok, K, BLOCK_K, EVEN)
-        # the byte, its sign bit flipped (q + 128), in the mantissa of 2^23
-        bits = (q.to(tl.int32) & 0xFF) ^ 0x4B000080
-        acc += (bits.to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]  # - (2^23 + 128)
-        q, x = q_next, x_next
-    return tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=rows_ok, other=0.0)
+    """W[rows] x for int8 W (N, K) with a scale per row: (BLOCK_N,) fp32. Under PDL the first
+    tile of W is read before the wait for the kernel before."""
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * K
+    cols = _int8_cols(0, BLOCK_K)
+    q = _int8_w(w_rows, cols, rows_ok, K, EVEN)
+    if PDL:
+        gdc_wait()
+    acc = _int8_products(q, x_ptr, cols, K, EVEN)
+    for start in range(BLOCK_K, K, BLOCK_K):
+        cols = _int8_cols(start, BLOCK_K)
+        acc += _int8_products(_int8_w(w_rows, cols, rows_ok, K, EVEN), x_ptr, cols, K, EVEN)
+    return tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(s_ptr + rows, mask=rows_ok, other=0.0)
 
 
 @triton.jit
 def _int4_tile(
-    w_rows, s_ptr, z_ptr, s_rows, first, rows_ok, groups, TILE_GROUPS: tl.constexpr,
-    WORDS: tl.constexpr, EVEN: tl.constexpr,
+    w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS: tl.constexpr, EVEN: tl.constexpr
 ):  # fmt: skip
-    """The (BLOCK_N, TILE_GROUPS, WORDS) words of the groups from `first` and their scales and
-    zero points (plus 2^23), (BLOCK_N, TILE_GROUPS); past the last group zeros (EVEN: the
-    groups a multiple of TILE_GROUPS, and a tile past the end reads the last one again, never
-    used)."""
-    if EVEN:
-        first = tl.multiple_of(tl.minimum(first, groups - TILE_GROUPS), TILE_GROUPS)
-    g = first + tl.arange(0, TILE_GROUPS)
+    """The (BLOCK_N, TILE_GROUPS, WORDS) words of groups g, their scales and their zero points
+    (uint8), (BLOCK_N, TILE_GROUPS); zeros past the last group."""
     if EVEN:
         ok = rows_ok[:, None] & (g >= 0)[None, :]
     else:
         ok = rows_ok[:, None] & (g < groups)[None, :]
     w = tl.load(w_rows + g[None, :, None] * WORDS, mask=ok[:, :, None], other=0)
     scale = tl.load(s_ptr + s_rows + g[None, :], mask=ok, other=0.0)
-    zero = tl.load(z_ptr + s_rows + g[None, :], mask=ok, other=0).to(tl.float32) + 8388608.0
+    zero = tl.load(z_ptr + s_rows + g[None, :], mask=ok, other=0)
     return w, scale, zero
+
+
+@triton.jit
+def _int4_nibbles(w, x_tile, g_ok, p: tl.constexpr, EVEN: tl.constexpr):
+    """(q x, x) at 2^-SHIFT for the nibble at bits 4p..4p+3 of w (p <= 5), which multiplies
+    x_tile's values. Masked, the word reads as the float q 2^(4p - 149) (subnormal, or for
+    p = 5 and q >= 8 the normal 2^-126 + (q - 8) 2^-129, the same value); x scaled by
+    2^(149 - 4p - SHIFT) makes the product q x 2^-SHIFT, exact inside the multiply-add: one
+    logic instruction and one multiply-add a weight."""
+    if EVEN:
+        x = tl.load(x_tile).to(tl.float32)
+    else:
+        x = tl.load(x_tile, mask=g_ok, other=0.0).to(tl.float32)
+    level = (w & (15 << (4 * p))).to(tl.float32, bitcast=True)
+    return level * (x * 2.0 ** (149 - 4 * p - SHIFT)), x
+
+
+@triton.jit
+def _int4_products(w, x_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """Over each word's eight nibbles, (sum of q x, sum of x), both times 2^-SHIFT:
+    (BLOCK_N, TILE_GROUPS, WORDS) and (1, TILE_GROUPS, WORDS) fp32. Nibbles 0-5 are read in
+    place, 6 and 7 after one shift of the word by 8 bits (`_int4_nibbles`); the x sums, shared
+    by the rows, take the zero points off once a word: (q - z) x = q x - z x."""
+    # x as (1, TILE_GROUPS, WORDS), the layout of w's tile; nibble j multiplies x_tile + j * WORDS
+    x_tile = x_ptr + (g[:, None] * (8 * WORDS) + tl.arange(0, WORDS)[None, :])[None, :, :]
+    g_ok = (g < groups)[None, :, None]
+    part, xsum = _int4_nibbles(w, x_tile, g_ok, 0, EVEN)
+    for j in tl.static_range(1, 8):
+        if j < 6:
+            qx, x = _int4_nibbles(w, x_tile + j * WORDS, g_ok, j, EVEN)
+        else:  # nibbles 6 and 7 at bits 16-23
+            qx, x = _int4_nibbles(w >> 8, x_tile + j * WORDS, g_ok, j - 2, EVEN)
+        part += qx
+        xsum += x
+    return part, xsum * 2.0**-SHIFT
 
 
 @triton.jit
 def _int4_rows(
     x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups, BLOCK_N: tl.constexpr,
-    TILE_GROUPS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr,
+    TILE_GROUPS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """W[rows] x for int4 W (N, K) in groups of 8 * WORDS features: (BLOCK_N,) fp32. A tile is
     (BLOCK_N, TILE_GROUPS, WORDS) words; nibble j of a group's words multiplies the group's
-    features j * WORDS .. j * WORDS + WORDS - 1 (memfit.ops.quant.int4). The next tile is
-    loaded before the current one is used."""
+    features j * WORDS .. j * WORDS + WORDS - 1 (memfit.ops.quant.int4); a group's sums are
+    scaled once a word. Under PDL the first tile is read before the wait."""
     rows64 = rows.to(tl.int64)
-    words = tl.arange(0, WORDS)
-    w_rows = w_ptr + rows64[:, None, None] * words_per_row + words[None, None, :]
+    w_rows = w_ptr + rows64[:, None, None] * words_per_row + tl.arange(0, WORDS)[None, None, :]
     s_rows = rows64[:, None] * groups
-    acc = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
-    w, scale, zero = _int4_tile(
-        w_rows, s_ptr, z_ptr, s_rows, 0, rows_ok, groups, TILE_GROUPS, WORDS, EVEN
-    )
+    g = tl.arange(0, TILE_GROUPS)
+    w, scale, zero = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS, EVEN)
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros(w.shape, dtype=tl.float32)
     for first in range(TILE_GROUPS, groups + TILE_GROUPS, TILE_GROUPS):
-        w_next, scale_next, zero_next = _int4_tile(
-            w_rows, s_ptr, z_ptr, s_rows, first, rows_ok, groups, TILE_GROUPS, WORDS, EVEN,
+        # the next tile is read before this one is used (past the end: EVEN reads the last
+        # one again, unused; else masked off)
+        next_g = (tl.minimum(first, groups - TILE_GROUPS) if EVEN else first) + tl.arange(
+            0, TILE_GROUPS
         )  # fmt: skip
-        g = first - TILE_GROUPS + tl.arange(0, TILE_GROUPS)
-        x_tile = x_ptr + g[:, None] * (8 * WORDS) + words[None, :]
-        part = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
-        for j in tl.static_range(8):
-            if EVEN:
-                x = tl.load(x_tile + j * WORDS).to(tl.float32)
-            else:
-                x = tl.load(x_tile + j * WORDS, mask=(g < groups)[:, None], other=0.0)
-                x = x.to(tl.float32)
-            bits = ((w >> (4 * j)) & 0xF) | 0x4B000000  # the level in the mantissa of 2^23
-            # minus 2^23 and the zero point at once
-            part += (bits.to(tl.float32, bitcast=True) - zero[:, :, None]) * x[None, :, :]
-        acc += part * scale[:, :, None]
-        w, scale, zero = w_next, scale_next, zero_next
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+        w_next, scale_next, zero_next = _int4_tile(
+            w_rows, s_ptr, z_ptr, s_rows, next_g, rows_ok, groups, WORDS, EVEN
+        )  # fmt: skip
+        acc += _int4_group_sums(w, scale, zero, x_ptr, g, groups, WORDS, EVEN)
+        w, scale, zero, g = w_next, scale_next, zero_next, next_g
+    return tl.sum(tl.sum(acc, axis=2), axis=1) * 2.0**SHIFT
+
+
+@triton.jit
+def _int4_group_sums(w, scale, zero, x_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """scale (q - z) x summed over each word's nibbles, times 2^-SHIFT."""
+    part, xsum = _int4_products(w, x_ptr, g, groups, WORDS, EVEN)
+    return (part - zero.to(tl.float32)[:, :, None] * xsum) * scale[:, :, None]
 
 
 @triton.jit
 def _rows(
     x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     if BITS == 8:
-        y = _int8_rows(x_ptr, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N, BLOCK_K, EVEN)
+        y = _int8_rows(x_ptr, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N, BLOCK_K, EVEN, PDL)
     else:
         y = _int4_rows(
             x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups, BLOCK_N,
-            BLOCK_K, WORDS, EVEN,
+            BLOCK_K, WORDS, EVEN, PDL,
         )  # fmt: skip
     return y
 
@@ -169,18 +221,17 @@ def _quant_gemv_kernel(
     (up_rows = N), and y = silu(gate) * up of the program's rows of each half."""
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
     y = _rows(
         x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS, BLOCK_N,
-        BLOCK_K, WORDS, EVEN,
+        BLOCK_K, WORDS, EVEN, PDL,
     )  # fmt: skip
     up = y
     if SWIGLU:
         up = _rows(
             x_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows_ok, K, words_per_row, groups, BITS,
-            BLOCK_N, BLOCK_K, WORDS, EVEN,
+            BLOCK_N, BLOCK_K, WORDS, EVEN, False,
         )  # fmt: skip
     _finish(
         y, up, b_ptr, r_ptr, y_ptr, rows, rows_ok, up_rows, HAS_BIAS, RESIDUAL, SWIGLU,
