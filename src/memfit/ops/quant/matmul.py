@@ -13,13 +13,14 @@ bytes read are 4.13 bits (NF4) or 8 bits (int8) an element instead of 16. (Which
 these kernels is memfit.nn.quant's choice, by measurement: see Speed below.)
 
 Dequantizing a (BN, BK) tile: NF4 reads BK / 2 bytes a row, two codes a byte (the first in the
-high nibble), looks each code up in the 16 levels, and multiplies by its block's absmax,
-itself q * scale + mean (one int8 per 64 weights, one fp32 scale per 256 blocks); int8 multiplies
-q by its row's scale; int4 reads each element's word (eight levels a word, interleaved in the
-group), shifts its level out and takes (q - zero) * scale of its group. The tile is rounded to the compute dtype, so the values multiplied are
-those `dequantize_nf4` / `dequantize_int8` return (on the GPU up to the rounding of an absmax
-whose q * scale + mean the compiler fuses into one multiply-add), and the products and sums are
-fp32 as in a bf16 GEMM: the result equals dequantize-then-matmul up to the order of the sums.
+high nibble), looks each code up in the 16 levels, and multiplies by its block's absmax, itself
+q * scale + mean (one int8 per 64 weights, one fp32 scale per 256 blocks); int8 multiplies q by
+its row's scale; int4 reads each word once and shifts its eight levels out in feature order
+(interleaved in the group), then takes (q - zero) * scale of its group. The tile is rounded to
+the compute dtype, so the values multiplied are those `dequantize_nf4` / `dequantize_int8` /
+`dequantize_int4` return (on the GPU up to the rounding of an absmax whose q * scale + mean the
+compiler fuses into one multiply-add), and the products and sums are fp32 as in a bf16 GEMM: the
+result equals dequantize-then-matmul up to the order of the sums.
 
 NF4 tiles whose columns are whole blocks of 64 (K a multiple of 64, every Llama layer) are read
 as bytes, each byte's two codes interleaved back into the columns (high nibble first); any other
@@ -66,10 +67,46 @@ def _code(device: torch.device) -> Tensor:
 
 
 @triton.jit
+def _int4_weight_tile(
+    w_ptr, s_ptr, a_ptr, rows64, rows_ok, k0, K, WORDS: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
+):  # fmt: skip
+    """int4 W[rows, k0 : k0 + BK] in fp32 from whole words: nibble j of a group's word c is its
+    feature j * WORDS + c (memfit.ops.quant.int4), so shifting each word by 4j lays the levels
+    out in feature order, (8, WORDS) a group; each word, scale and zero point is read once."""
+    size: tl.constexpr = 8 * WORDS  # the group
+    c = tl.arange(0, WORDS)
+    if BK >= size:  # whole groups: (BN, groups, 8, WORDS)
+        g = k0 // size + tl.arange(0, BK // size)
+        ok = rows_ok[:, None] & (g < K // size)[None, :]
+        words = tl.load(
+            w_ptr + rows64[:, None, None] * (K // 8) + (g[:, None] * WORDS + c[None, :])[None],
+            mask=ok[:, :, None], other=0,
+        )  # fmt: skip
+        at = rows64[:, None] * (K // size) + g[None, :]
+        zero = tl.load(a_ptr + at, mask=ok, other=0).to(tl.float32)[:, :, None, None]
+        scale = tl.load(s_ptr + at, mask=ok, other=0.0)[:, :, None, None]
+        shifts = 4 * tl.arange(0, 8)
+        q = (words[:, :, None, :] >> shifts[None, None, :, None]) & 15
+    else:  # a part of one group: nibbles j0 .. j0 + BK / WORDS - 1 of its words, (BN, ., WORDS)
+        g = k0 // size
+        words = tl.load(
+            w_ptr + rows64[:, None] * (K // 8) + g * WORDS + c[None, :], mask=rows_ok[:, None],
+            other=0,
+        )  # fmt: skip
+        at = rows64 * (K // size) + g
+        zero = tl.load(a_ptr + at, mask=rows_ok, other=0).to(tl.float32)[:, None, None]
+        scale = tl.load(s_ptr + at, mask=rows_ok, other=0.0)[:, None, None]
+        shifts = 4 * ((k0 % size) // WORDS + tl.arange(0, BK // WORDS))
+        q = (words[:, None, :] >> shifts[None, :, None]) & 15
+    return tl.reshape((q.to(tl.float32) - zero) * scale, (BN, BK))
+
+
+@triton.jit
 def _weight_tile(
-    w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K, group,
+    w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K,
     KIND: tl.constexpr, ALIGNED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DTYPE: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
+    DTYPE: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """W[rows, k0 : k0 + BK] in DTYPE, zero outside (N, K). int8: w_ptr q (N, K), s_ptr the
     rows' scales. NF4: w_ptr the packed codes, a_ptr the int8 absmax, s_ptr the absmax scales,
@@ -83,17 +120,7 @@ def _weight_tile(
         scale = tl.load(s_ptr + rows, mask=rows_ok, other=0.0)
         w = q.to(tl.float32) * scale[:, None]
     elif KIND == 2:  # int4, a scale and zero point per group of each row
-        # feature f of group g sits in nibble (f % group) // (group / 8) of word
-        # g * group / 8 + f % (group / 8) (memfit.ops.quant.int4: interleaved in the group)
-        words_per_group = group // 8
-        within = cols % group
-        word = (cols // group) * words_per_group + within % words_per_group
-        shift = (within // words_per_group) * 4
-        packed = tl.load(w_ptr + rows64[:, None] * (K // 8) + word[None, :], mask=inside, other=0)
-        q = ((packed >> shift[None, :]) & 15).to(tl.float32)
-        at = rows64[:, None] * (K // group) + (cols // group)[None, :]
-        zero = tl.load(a_ptr + at, mask=inside, other=0).to(tl.float32)
-        w = (q - zero) * tl.load(s_ptr + at, mask=inside, other=0.0)
+        w = _int4_weight_tile(w_ptr, s_ptr, a_ptr, rows64, rows_ok, k0, K, WORDS, BN, BK)
     elif ALIGNED:  # NF4, the tile's columns whole blocks of one row
         half = k0 // 2 + tl.arange(0, BK // 2)
         byte_ok = rows_ok[:, None] & (half < K // 2)[None, :]
@@ -147,7 +174,7 @@ def _grouped(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr)
 def _forward_kernel(
     x_ptr, y_ptr, b_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, group, stride_x,
     stride_y, M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ROUND_BF16_BY_HAND: tl.constexpr,
+    ROUND_BF16_BY_HAND: tl.constexpr, WORDS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """y[m tile, n tile] = x W^T (+ b), computed as (W x^T)^T."""
@@ -161,8 +188,8 @@ def _forward_kernel(
         cols = k0 + tl.arange(0, BK)
         x = tl.load(x_rows + cols[None, :], mask=rows_ok[:, None] & (cols < K)[None, :], other=0.0)
         w = _weight_tile(
-            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, group, KIND, ALIGNED, BN, BK,
-            x_ptr.dtype.element_ty, ROUND_BF16_BY_HAND,
+            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, KIND, ALIGNED, BN, BK,
+            x_ptr.dtype.element_ty, ROUND_BF16_BY_HAND, WORDS,
         )  # fmt: skip
         acc = _dot(w, tl.trans(x), acc, ROUND_BF16_BY_HAND)
     if HAS_BIAS:
@@ -179,7 +206,7 @@ def _forward_kernel(
 def _dx_kernel(
     g_ptr, dx_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, group, stride_g,
     stride_dx, M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    WORDS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """dx[m tile, k tile] = g W over all N."""
     pid_m, pid_k = _grouped(tl.program_id(0), M, K, BM, BK, GROUP)
@@ -194,8 +221,8 @@ def _dx_kernel(
             g_rows + features[None, :], mask=rows_ok[:, None] & (features < N)[None, :], other=0.0
         )
         w = _weight_tile(
-            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, group, KIND, ALIGNED, BN, BK,
-            g_ptr.dtype.element_ty, ROUND_BF16_BY_HAND,
+            w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, features, k0, N, K, KIND, ALIGNED, BN, BK,
+            g_ptr.dtype.element_ty, ROUND_BF16_BY_HAND, WORDS,
         )  # fmt: skip
         acc = _dot(g, w, acc, ROUND_BF16_BY_HAND)
     cols = k0 + tl.arange(0, BK)
@@ -211,14 +238,14 @@ def _dx_kernel(
 def _dequantize_kernel(
     out_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, N, K, group,
     KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
     cols = k0 + tl.arange(0, BK)
     w = _weight_tile(
-        w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K, group, KIND, ALIGNED, BN, BK,
-        out_ptr.dtype.element_ty, ROUND_BF16_BY_HAND,
+        w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, rows, k0, N, K, KIND, ALIGNED, BN, BK,
+        out_ptr.dtype.element_ty, ROUND_BF16_BY_HAND, WORDS,
     )  # fmt: skip
     if ROUND_BF16_BY_HAND:
         w = w.to(tl.bfloat16)  # exact: the values are bf16's
@@ -229,8 +256,9 @@ def _dequantize_kernel(
 # (BM, BN, BK, warps, stages), BK a multiple of 64 (whole NF4 blocks): the tiles the autotuner
 # chose at llama-3-8b's shapes from a wider sweep on an H200 (results/quant_matmul.json)
 _CONFIGS = [(256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
-# int4 reads each element's word, scale and zero point (9 bytes an element of the tile, staged in
-# shared memory by the pipeliner): tiles and stages that fit an H100's 227 KiB
+# int4's tiles, chosen when each element read its own word, scale and zero point (9 bytes an
+# element, staged in shared memory): memfit.nn.quant takes dequantize + cuBLAS for int4 instead
+# (FUSED_MAX_ROWS), so they are not tuned again
 _INT4_CONFIGS = [(16, 64, 64, 4, 2), (32, 128, 64, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2)]
 _INTERPRET = dict(BM=16, BN=16, BK=64, GROUP=2)
 
@@ -284,18 +312,18 @@ def _weight_args(
             raise ValueError(f"the {kind} state is on {tensor.device}, the operand on {device}")
     if kind == "int8":
         scale = state["scale"]
-        return (state["q"], scale, scale, scale, scale), 1, dict(KIND=_INT8, ALIGNED=False)
+        return (state["q"], scale, scale, scale, scale), 1, dict(KIND=_INT8, ALIGNED=False, WORDS=1)
     if kind == "int4":
         if k % groups or (k // groups) % 16:
             raise ValueError(f"int4 groups of {k} / {groups} features are not whole words")
         scale = state["scale"]
         pointers = (state["packed"], scale, state["zero"], scale, scale)
-        return pointers, k // groups, dict(KIND=_INT4, ALIGNED=False)
+        return pointers, k // groups, dict(KIND=_INT4, ALIGNED=False, WORDS=k // groups // 8)
     pointers = (
         state["packed"], state["absmax_scale"], state["absmax_q"], _code(device),
         state["absmax_mean"],
     )  # fmt: skip
-    return pointers, 1, dict(KIND=_NF4, ALIGNED=k % NF4_BLOCK == 0)
+    return pointers, 1, dict(KIND=_NF4, ALIGNED=k % NF4_BLOCK == 0, WORDS=1)
 
 
 def _check(a: Tensor, features: int, what: str) -> None:
