@@ -11,10 +11,11 @@ measured in the same process.
   weights; time and the bandwidth achieved reading the weight's bytes (scales included).
 - sweep: the quantized GEMV's launch configurations (memfit.ops.quant.gemv.CONFIG) on
   llama-3-8b's layers.
-- batch1: `LLM(preset, quantize=...)` with random weights, one prompt of 128 tokens, 256 new
-  tokens: decode tokens/s from the engine's clock and the captured decode step replayed alone,
-  against the limit of reading the model's bytes and the KV cache once a token at the measured
-  copy bandwidth.
+- batch1: `LLM(preset, quantize=...)` with random weights (a quantized model's output head in
+  int8: memfit.nn.quant.quantize_head), one prompt of 128 tokens, 256 new tokens: decode
+  tokens/s from the engine's clock and the captured decode step replayed alone, against the
+  limit of reading the model's bytes and the KV cache once a token at the measured copy
+  bandwidth.
 
 Results: benchmarks/results/quant_decode.json (`--out DIR` elsewhere).
 """
@@ -188,6 +189,7 @@ def batch1(device, copy_bw: float, models: list[str], new_tokens: int) -> list[d
                 "graph_ms_per_token": graph_s * 1e3, "model_bytes": model_bytes,
                 "bytes_read_per_token": read, "limit_ms_per_token": limit_s * 1e3,
                 "of_limit": limit_s / per_token, "first_tokens": out[0].token_ids[:8],
+                "head": "int8" if hasattr(llm.model.lm_head, "quant") else "bf16",
             }  # fmt: skip
             print(
                 f"{name} {row['weights']}: {row['tokens_per_s']:.1f} tokens/s, "

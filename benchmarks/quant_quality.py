@@ -51,7 +51,7 @@ from memfit.inference.llm import KV_CALIBRATION_ROWS  # noqa: E402
 from memfit.models.loading import load_pretrained  # noqa: E402
 from memfit.nn.awq import awq_scale  # noqa: E402
 from memfit.nn.gptq import gptq  # noqa: E402
-from memfit.nn.quant import quantize_model  # noqa: E402
+from memfit.nn.quant import quantize_head, quantize_model  # noqa: E402
 from tests.real_model import english_text, smollm2_checkpoint  # noqa: E402
 
 
@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--agreement-tokens", type=int, default=64)
     parser.add_argument("--calibration", type=int, default=1024, help="calibration tokens")
     parser.add_argument("--calibration-row", type=int, default=256, help="tokens a row")
+    parser.add_argument(
+        "--int8-head", action="store_true", help="the output head in int8 too, as LLM holds it"
+    )
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--out", default=None)
@@ -179,6 +182,9 @@ def main() -> None:
         states = gptq(model, cal, kind.split("-")[0]) if "gptq" in kind else None
         if kind != "bf16":
             weights = quantize_model(model, kind.split("-")[0], dtype=torch.float32, states=states)
+            if args.int8_head:
+                quantize_head(model, dtype=torch.float32)
+                row["head"] = "int8"
         start = time.perf_counter()
         ppl = perplexity(model, ids, args.window)
         row |= {

@@ -1074,15 +1074,22 @@ def quant_decode_table(run: dict) -> str:
     run that gives rows with its own header."""
     newest_for: dict[str, int] = {}
     runs = run.get("all_runs", [run])
+    kernels = None  # the newest run with kernel times, shown with its own header
     for index, r in enumerate(runs):
         for row in r.get("batch1", []):
             newest_for[row["model"]] = index
+        if r.get("kernels"):
+            kernels = index
     parts = []
-    for index in sorted(set(newest_for.values())):
+    for index in sorted(set(newest_for.values()) | ({kernels} - {None})):
         r = runs[index]
         models = {m for m, i in newest_for.items() if i == index}
-        rows = [row for row in r["batch1"] if row["model"] in models]
-        parts.append(_quant_decode_run({**r, "batch1": rows}))
+        rows = [row for row in r.get("batch1", []) if row["model"] in models]
+        parts.append(
+            _quant_decode_run(
+                {**r, "batch1": rows, "kernels": r.get("kernels") if index == kernels else None}
+            )
+        )
     return "\n\n".join(parts)
 
 
@@ -1112,9 +1119,13 @@ def _quant_decode_run(run: dict) -> str:
             )
         lines.append("")
     if run.get("batch1"):
+        heads = (
+            "the embedding in bf16, the output head in int8 under int8 and int4 weights"
+            if any(r.get("head") == "int8" for r in run["batch1"])
+            else "the embedding and output head in bf16"
+        )
         lines += [
-            "Batch-1 decode, one prompt of 128 tokens, 256 new tokens (random weights; the "
-            "embedding and output head in bf16):",
+            f"Batch-1 decode, one prompt of 128 tokens, 256 new tokens (random weights; {heads}):",
             "",
             "| model | weights | model (GiB) | tokens/s | ms/token | bandwidth limit (ms) | "
             "of limit | vs bf16 |",

@@ -99,16 +99,19 @@ def test_warm_up_leaves_a_clean_engine(tmp_path):
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_weights_load_block_by_block_and_generate(tmp_path, kind):
-    """LLM(quantize=...) holds every block's linear layers quantized (the embedding and the head
-    as they were) and generates the greedy tokens of the same model with those weights
-    dequantized."""
+    """LLM(quantize=...) holds every block's linear layers quantized and the head in int8 (the
+    embedding as it was; quantize_head=False keeps the head too) and generates the greedy tokens
+    of the same model with those weights dequantized."""
     from memfit.nn.quant import QuantLinear, dequantize_model
 
     _save_transformers_model(tmp_path, "llama")
     llm = LLM(tmp_path, device="cpu", dtype="fp32", quantize=kind)
-    layers = [m for m in llm.model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in llm.model.layers.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * len(llm.model.layers)  # qkv, out, gate_up, down
     assert all(layer.quant.kind == kind for layer in layers)
+    assert isinstance(llm.model.lm_head, QuantLinear) and llm.model.lm_head.quant.kind == "int8"
+    kept = LLM(tmp_path, device="cpu", dtype="fp32", quantize=kind, quantize_head=False)
+    assert not isinstance(kept.model.lm_head, QuantLinear)
     prompts = [[5, 17, 3], list(range(20, 31))]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     quantized = [out.token_ids for out in llm.generate(prompts, params, progress=False)]
@@ -148,9 +151,10 @@ def test_a_quantized_checkpoint_round_trips(tmp_path, capsys, kind):
     assert loaded.quantize == kind
     assert all(
         layer.quant.kind == kind
-        for layer in loaded.model.modules()
+        for layer in loaded.model.layers.modules()
         if isinstance(layer, QuantLinear)
     )
+    assert loaded.model.lm_head.quant.kind == "int8"  # the head, quantized at load
     at_load = LLM(source, device="cpu", dtype="fp32", quantize=kind)
     prompts = ["w5 w6 w7", [5, 17, 3, 9]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)

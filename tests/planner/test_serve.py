@@ -162,16 +162,18 @@ def test_each_knob_moves_the_pool_the_right_way():
 
 
 def test_quantized_weights_are_counted_as_stored_plus_one_dequantized_layer():
-    from memfit.nn.quant import quantize_model
+    from memfit.nn.quant import quantize_head, quantize_model
 
     model, h100 = PRESETS["llama-3-8b"], GPUS["h100-sxm"]
     base = plan_serve(model, h100)
     int8, int4 = (plan_serve(model, h100, quantize=kind) for kind in ("int8", "int4"))
     assert base.weights_bytes > int8.weights_bytes > int4.weights_bytes
     assert base.num_blocks < int8.num_blocks < int4.num_blocks
-    # the stored bytes of a real quantized model, plus gate_up in bf16 (the largest layer)
+    # the stored bytes of a real quantized model (its head in int8, as LLM holds it), plus
+    # gate_up in bf16 (the largest layer)
     tiny = build_model(SMALL, dtype=torch.bfloat16)
     quantize_model(tiny, "int4", dtype=torch.bfloat16)
+    quantize_head(tiny, dtype=torch.bfloat16)
     stored = sum(t.numel() * t.element_size() for t in [*tiny.parameters(), *tiny.buffers()])
     planned = plan_serve(SMALL, h100, quantize="int4").weights_bytes - 2 * 2 * 96 * 64
     assert stored <= planned <= stored + 512 * 6 * len(tiny.layers) * 4  # allocation granules

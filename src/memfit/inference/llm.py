@@ -173,6 +173,7 @@ class LLM(Texts):
         prefix_caching: bool = False,
         tokenizer: Tokenizer | None = None,
         quantize: str | None = None,
+        quantize_head: bool = True,
         kv_cache_dtype: str = "auto",
     ) -> None:
         """model: a Hugging Face checkpoint directory, a memfit checkpoint, or a preset name.
@@ -187,8 +188,9 @@ class LLM(Texts):
         of the checkpoint's (memfit.train.data.load_tokenizer makes one); it may not have more
         tokens than the model has embeddings. quantize: 'int8' (per output channel) or 'int4'
         (groups of 128 input features, asymmetric) weight-only quantization of the blocks' linear
-        layers at load (memfit.nn.quant; the embedding and the output head stay in `dtype`):
-        a decode step reads half or about a quarter of the bytes. A quantized checkpoint
+        layers at load (memfit.nn.quant; the embedding stays in `dtype`), and with
+        quantize_head the output head in int8 (memfit.nn.quant.quantize_head): a decode step
+        reads half or about a third of the bytes. A quantized checkpoint
         (memfit.models.quantized, `memfit export --quantize`) loads as it is stored; asking it
         for another kind is an error. kv_cache_dtype: 'auto' (the KV cache in `dtype`), 'fp8'
         (e4m3) or 'int8', with per-head scales: twice the tokens in the same memory
@@ -222,6 +224,10 @@ class LLM(Texts):
         self.model, info = _load(model, self.device, torch_dtype, seed, quantize)
         # (a quantized checkpoint: the kind it holds)
         self.quantize = getattr(info, "quantize", None) or quantize
+        if self.quantize and quantize_head:
+            from memfit.nn.quant import quantize_head as int8_head
+
+            int8_head(self.model, dtype=torch_dtype)
         super().__init__(tokenizer or getattr(info, "tokenizer", None), info)
         self.config = self.model.config
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.config.vocab_size:

@@ -453,10 +453,14 @@ def quantized_weight_bytes(out_features: int, in_features: int, kind: str) -> in
     return sum(_allocated(b) for b in buffers)
 
 
-def frozen_model_bytes(model: ModelConfig, precision: str, quantize: str = "none") -> int:
+def frozen_model_bytes(
+    model: ModelConfig, precision: str, quantize: str = "none", *, int8_head: bool = False
+) -> int:
     """A model held for inference or as a frozen LoRA base: every parameter in the compute dtype
     (bf16/fp16: 2 bytes, fp32: 4), or with `quantize` the blocks' linear weights quantized
-    (memfit.nn.quant.quantize_model) and the embeddings, norms, biases and head as they were."""
+    (memfit.nn.quant.quantize_model) and the embeddings, norms, biases and head as they were;
+    `int8_head`: the head quantized to int8 as an inference model's is (quantize_head: a tied
+    model's a copy beside its embedding)."""
     c = 4 if precision == "fp32" else 2
     s = _sizes(model)
     if quantize == "none":
@@ -465,7 +469,12 @@ def frozen_model_bytes(model: ModelConfig, precision: str, quantize: str = "none
         quantized_weight_bytes(linear.out_features, linear.in_features, quantize)
         for linear in block_linears(model)
     )
-    return c * (s["P"] - s["L"] * s["P_matmul_layer"]) + s["L"] * linears
+    held = c * (s["P"] - s["L"] * s["P_matmul_layer"]) + s["L"] * linears
+    if int8_head:
+        head = model.vocab_size * model.hidden_size
+        held += quantized_weight_bytes(model.vocab_size, model.hidden_size, "int8")
+        held -= 0 if model.tie_embeddings else c * head
+    return held
 
 
 def layer_activation_bytes(model: ModelConfig, strategy: Strategy, mode: str | None = None) -> int:

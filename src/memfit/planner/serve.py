@@ -515,7 +515,8 @@ def plan_serve(
     sampled_rows: rows sampled at once (None: all of a step's rows; the present Engine: 1).
     quantize: the blocks' linear weights quantized ('int8', 'int4': memfit.nn.quant), counted as
     stored, plus the largest one dequantized in the dtype (a product of more than
-    memfit.nn.quant.FUSED_MAX_ROWS rows makes that copy for cuBLAS, one layer at a time).
+    memfit.nn.quant.FUSED_MAX_ROWS rows makes that copy for cuBLAS, one layer at a time), and the
+    output head in int8 (memfit.nn.quant.quantize_head, never dequantized whole).
     kv_cache_dtype: 'auto' (the KV cache in `dtype`), 'fp8' or 'int8' (one byte an element: the
     same memory holds twice the bf16 tokens).
     Never raises for a model that does not fit: see `.fits` and `.check_fits()`.
@@ -558,9 +559,9 @@ def plan_serve(
     slack = int(FRAGMENTATION * (phases["held"] + pool))
     weights = weight_bytes(config, dtype)
     if quantize != "none":
-        weights = frozen_model_bytes(config, dtype, quantize) + ELEMENT_BYTES[dtype] * max(
-            linear.in_features * linear.out_features for linear in block_linears(config)
-        )
+        largest = max(linear.in_features * linear.out_features for linear in block_linears(config))
+        weights = frozen_model_bytes(config, dtype, quantize, int8_head=True)
+        weights += ELEMENT_BYTES[dtype] * largest
     per_token = kv_bytes_per_token(config, dtype, kv_cache_dtype)
     per_block = per_token * block_size
     budget = int(memory_fraction * total)

@@ -81,7 +81,11 @@ class Llama(nn.Module):
 
     @property
     def output_weight(self) -> Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+        """The output head's weight (a quantized head's dequantized: memfit.nn.quant.quantize_head)."""
+        if self.lm_head is None:
+            return self.embed.weight
+        quant = getattr(self.lm_head, "quant", None)
+        return self.lm_head.weight if quant is None else quant.dequantize()
 
     def forward(
         self,
@@ -141,6 +145,8 @@ class Llama(nn.Module):
         if return_hidden:  # the output head's input, for a loss of the caller's (distillation)
             return x
         if targets is None:
+            if hasattr(self.lm_head, "quant"):  # an inference model's int8 head
+                return self.lm_head(x)
             return MF.linear(x, self.output_weight.to(x.dtype))  # (B, T, vocab)
         return MF.linear_cross_entropy(
             x.reshape(batch * seqlen, -1), self.output_weight, targets.reshape(-1)
