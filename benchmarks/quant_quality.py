@@ -31,6 +31,8 @@ same agreement of the whole model run in bf16.
         --calibration-row 512 --kv                        # GPTQ on all the calibration text
     python benchmarks/quant_quality.py --tokens 2048      # quicker
     python benchmarks/quant_quality.py --kinds --kv fp8 int8   # the KV caches only
+    python benchmarks/quant_quality.py --kinds bf16 int8 int4-gptq --int8-head --kv
+                                                          # the output head in int8 too
 """
 
 from __future__ import annotations
