@@ -19,8 +19,13 @@ memory, bound the kernel, so each weight costs as few as the bits allow:
   as a float: the subnormal q 2^(4p - 149) for the nibble at bits 4p..4p+3 (p <= 5; nibbles 6
   and 7 after one shift of the word), and the multiply-add with x scaled by 2^(149 - 4p - 64)
   forms q x 2^-64 exactly. The zero point comes off once a word through the sum of x,
-  (q - z) x = q x - z x, and the scale once a word; the tile after the current one is read
-  before the current one is used, so that loads stay in flight.
+  (q - z) x = q x - z x, and the scale once a word. x's scaling and the sums are made once,
+  by a small kernel before the product (`_int4_x_kernel`), not by each row's thread: that
+  halves the instructions of the loop (3.7 a weight against 7.0, counted in the compiled
+  code), which then waits on its loads, so two tiles of W are read ahead of the one in use.
+  An A/B in llama-3-8b's batch-1 decode step on an H100: 3.07 ms against 3.18 for the kernel
+  that scaled x in each thread and read one tile ahead (llama-3.2-3b: 1.78 against 1.76;
+  results/quant_gemv_variants.json).
 
 Numerics: x widened to fp32, every product exact in fp32, sums in fp32, scales applied in
 fp32, one rounding to the output dtype: more exact than multiplying by the weight dequantized
@@ -30,8 +35,9 @@ above 2^-62 (activations of a bf16 model are inside by far). The swiglu and resi
 round each half and the product as the separate ops would (memfit.ops.gemv).
 
 Under programmatic dependent launch (the engine's decode step) a program signals its
-dependents at once, reads its first tile of W and waits for the kernel before it before
-reading x.
+dependents at once, reads its first tile of W (int4: its first two) and waits for the kernel
+before it before reading x; int4's x kernel does the same, so the product's first tiles are
+read while x is made ready.
 """
 
 from __future__ import annotations
@@ -46,11 +52,12 @@ __all__ = ["quant_gemv", "gemv_supported"]
 
 # int8: (BLOCK_N, BLOCK_K, num_warps, num_stages); int4: (BLOCK_N, groups a tile, num_warps,
 # num_stages). The fastest of a sweep on an H100 over llama-3-8b's four layers together
-# (results/quant_gemv_variants.json): int8 88.0 us, int4 76.0 us, against 155 us for bf16
-# (94.6 and 82.2 for the kernel before, which spent a shift, a bit-field extract and a
-# subtraction more on each int4 weight).
+# (results/quant_gemv_variants.json): int8 88.0 us against 155 us for bf16; int4's (8, 8, 8)
+# also with x made ready by its own kernel and two tiles read ahead (82.9 us in that sweep,
+# each layer's graph replayed alone, where the x kernel's launch is not overlapped; the
+# decode step, where it is, is what got faster).
 CONFIG = {"int8": (2, 1024, 2, 1), "int4": (8, 8, 8, 1)}
-# int4 products are formed at 2^-SHIFT (`_int4_nibbles`): exact for |x| below 2^(SHIFT - 21),
+# int4 products are formed at 2^-SHIFT (`_int4_products`): exact for |x| below 2^(SHIFT - 21),
 # sums normal down to 2^(SHIFT - 126)
 SHIFT = tl.constexpr(64)
 _INTERPRET = {"int8": (4, 32, 1, 1), "int4": (4, 2, 1, 1)}
@@ -121,122 +128,166 @@ def _int4_tile(
 
 
 @triton.jit
-def _int4_nibbles(w, x_tile, g_ok, p: tl.constexpr, EVEN: tl.constexpr):
-    """(q x, x) at 2^-SHIFT for the nibble at bits 4p..4p+3 of w (p <= 5), which multiplies
-    x_tile's values. Masked, the word reads as the float q 2^(4p - 149) (subnormal, or for
-    p = 5 and q >= 8 the normal 2^-126 + (q - 8) 2^-129, the same value); x scaled by
-    2^(149 - 4p - SHIFT) makes the product q x 2^-SHIFT, exact inside the multiply-add: one
-    logic instruction and one multiply-add a weight."""
-    if EVEN:
-        x = tl.load(x_tile).to(tl.float32)
-    else:
-        x = tl.load(x_tile, mask=g_ok, other=0.0).to(tl.float32)
-    level = (w & (15 << (4 * p))).to(tl.float32, bitcast=True)
-    return level * (x * 2.0 ** (149 - 4 * p - SHIFT)), x
+def _int4_x_kernel(
+    x_ptr, xs_ptr, xsum_ptr, K, groups, WORDS: tl.constexpr, GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """x made ready for the int4 product, once for all the rows that use it: xs (K,) fp32, each
+    feature scaled by 2^(149 - 4p - SHIFT) for the nibble position p its level is read at
+    (`_int4_products`), and xsum (groups * WORDS,) fp32, each word's eight features summed
+    (times 2^-SHIFT) to take the zero points off. A program takes GROUPS groups, as (GROUPS,
+    8 nibbles, WORDS)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    j = tl.arange(0, 8)
+    word = tl.arange(0, WORDS)
+    feats = g[:, None, None] * (8 * WORDS) + j[None, :, None] * WORDS + word[None, None, :]
+    ok = feats < K
+    x = tl.load(x_ptr + feats, mask=ok, other=0.0).to(tl.float32)
+    # nibbles 6 and 7 are read at bits 16-23 (after a shift of the word by 8): p = j - 2
+    p = tl.where(j < 6, j, j - 2)
+    # 2^(149 - 4p - SHIFT) exactly: its biased exponent in the bits of a float
+    power = ((-4 * p + (127 + 149 - SHIFT)) << 23).to(tl.float32, bitcast=True)
+    tl.store(xs_ptr + feats, x * power[None, :, None], mask=ok)
+    xsum = tl.sum(x, axis=1) * 2.0**-SHIFT
+    tl.store(xsum_ptr + g[:, None] * WORDS + word[None, :], xsum, mask=(g < groups)[:, None])
 
 
 @triton.jit
-def _int4_products(w, x_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr):
+def _int4_products(w, xs_ptr, xsum_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr):
     """Over each word's eight nibbles, (sum of q x, sum of x), both times 2^-SHIFT:
-    (BLOCK_N, TILE_GROUPS, WORDS) and (1, TILE_GROUPS, WORDS) fp32. Nibbles 0-5 are read in
-    place, 6 and 7 after one shift of the word by 8 bits (`_int4_nibbles`); the x sums, shared
-    by the rows, take the zero points off once a word: (q - z) x = q x - z x."""
-    # x as (1, TILE_GROUPS, WORDS), the layout of w's tile; nibble j multiplies x_tile + j * WORDS
-    x_tile = x_ptr + (g[:, None] * (8 * WORDS) + tl.arange(0, WORDS)[None, :])[None, :, :]
+    (BLOCK_N, TILE_GROUPS, WORDS) and (1, TILE_GROUPS, WORDS) fp32, from x as `_int4_x_kernel`
+    leaves it. A nibble masked in place reads as the float q 2^(4p - 149) for the nibble at
+    bits 4p..4p+3 (subnormal, or for p = 5 and q >= 8 the normal 2^-126 + (q - 8) 2^-129, the
+    same value); x scaled by 2^(149 - 4p - SHIFT) makes the product q x 2^-SHIFT, exact inside
+    the multiply-add: one logic instruction and one multiply-add a weight. Nibbles 0-5 are read
+    in place, 6 and 7 after one shift of the word by 8 bits."""
+    # nibble j multiplies xs at x_tile + j * WORDS, in the layout of w's tile
+    cols = (g[:, None] * WORDS + tl.arange(0, WORDS)[None, :])[None, :, :]
+    x_tile = xs_ptr + (g[:, None] * (8 * WORDS) + tl.arange(0, WORDS)[None, :])[None, :, :]
     g_ok = (g < groups)[None, :, None]
-    part, xsum = _int4_nibbles(w, x_tile, g_ok, 0, EVEN)
-    for j in tl.static_range(1, 8):
+    part = tl.zeros(w.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        if EVEN:
+            x = tl.load(x_tile + j * WORDS)
+        else:
+            x = tl.load(x_tile + j * WORDS, mask=g_ok, other=0.0)
         if j < 6:
-            qx, x = _int4_nibbles(w, x_tile + j * WORDS, g_ok, j, EVEN)
+            level = (w & (15 << (4 * j))).to(tl.float32, bitcast=True)
         else:  # nibbles 6 and 7 at bits 16-23
-            qx, x = _int4_nibbles(w >> 8, x_tile + j * WORDS, g_ok, j - 2, EVEN)
-        part += qx
-        xsum += x
-    return part, xsum * 2.0**-SHIFT
+            level = ((w >> 8) & (15 << (4 * (j - 2)))).to(tl.float32, bitcast=True)
+        part += level * x
+    if EVEN:
+        xsum = tl.load(xsum_ptr + cols)
+    else:
+        xsum = tl.load(xsum_ptr + cols, mask=g_ok, other=0.0)
+    return part, xsum
 
 
 @triton.jit
 def _int4_rows(
-    x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups, BLOCK_N: tl.constexpr,
-    TILE_GROUPS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups,
+    BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """W[rows] x for int4 W (N, K) in groups of 8 * WORDS features: (BLOCK_N,) fp32. A tile is
     (BLOCK_N, TILE_GROUPS, WORDS) words; nibble j of a group's words multiplies the group's
     features j * WORDS .. j * WORDS + WORDS - 1 (memfit.ops.quant.int4); a group's sums are
-    scaled once a word. Under PDL the first tile is read before the wait."""
+    scaled once a word. Two tiles are read ahead of the one in use (past the end: EVEN reads
+    the last one again, unused; else masked off); under PDL both before the wait."""
     rows64 = rows.to(tl.int64)
     w_rows = w_ptr + rows64[:, None, None] * words_per_row + tl.arange(0, WORDS)[None, None, :]
     s_rows = rows64[:, None] * groups
     g = tl.arange(0, TILE_GROUPS)
     w, scale, zero = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS, EVEN)
+    g1 = (tl.minimum(TILE_GROUPS, groups - TILE_GROUPS) if EVEN else TILE_GROUPS) + g
+    w1, scale1, zero1 = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g1, rows_ok, groups, WORDS, EVEN)
     if PDL:
         gdc_wait()
     acc = tl.zeros(w.shape, dtype=tl.float32)
-    for first in range(TILE_GROUPS, groups + TILE_GROUPS, TILE_GROUPS):
-        # the next tile is read before this one is used (past the end: EVEN reads the last
-        # one again, unused; else masked off)
+    for first in range(2 * TILE_GROUPS, groups + 2 * TILE_GROUPS, TILE_GROUPS):
         next_g = (tl.minimum(first, groups - TILE_GROUPS) if EVEN else first) + tl.arange(
             0, TILE_GROUPS
         )  # fmt: skip
-        w_next, scale_next, zero_next = _int4_tile(
+        w2, scale2, zero2 = _int4_tile(
             w_rows, s_ptr, z_ptr, s_rows, next_g, rows_ok, groups, WORDS, EVEN
         )  # fmt: skip
-        acc += _int4_group_sums(w, scale, zero, x_ptr, g, groups, WORDS, EVEN)
-        w, scale, zero, g = w_next, scale_next, zero_next, next_g
+        acc += _int4_group_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN)
+        w, scale, zero, g = w1, scale1, zero1, g1
+        w1, scale1, zero1, g1 = w2, scale2, zero2, next_g
     return tl.sum(tl.sum(acc, axis=2), axis=1) * 2.0**SHIFT
 
 
 @triton.jit
-def _int4_group_sums(w, scale, zero, x_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr):
+def _int4_group_sums(
+    w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr
+):  # fmt: skip
     """scale (q - z) x summed over each word's nibbles, times 2^-SHIFT."""
-    part, xsum = _int4_products(w, x_ptr, g, groups, WORDS, EVEN)
+    part, xsum = _int4_products(w, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN)
     return (part - zero.to(tl.float32)[:, :, None] * xsum) * scale[:, :, None]
 
 
 @triton.jit
 def _rows(
-    x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups,
+    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+    EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if BITS == 8:
         y = _int8_rows(x_ptr, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N, BLOCK_K, EVEN, PDL)
     else:
         y = _int4_rows(
-            x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups, BLOCK_N,
-            BLOCK_K, WORDS, EVEN, PDL,
+            x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups,
+            BLOCK_N, BLOCK_K, WORDS, EVEN, PDL,
         )  # fmt: skip
     return y
 
 
 @triton.jit
 def _quant_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, N, K, words_per_row, groups, up_rows,
-    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+    x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, N, K, words_per_row, groups,
+    up_rows, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
     EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """y[rows] for this program's BLOCK_N rows of N. int8: BLOCK_K features a tile; int4:
-    BLOCK_K groups of 8 * WORDS features a tile. SWIGLU: W is (2N, K), gate rows then up rows
-    (up_rows = N), and y = silu(gate) * up of the program's rows of each half."""
+    """y[rows] for this program's BLOCK_N rows of N. int8: BLOCK_K features a tile (xsum_ptr
+    unused); int4: BLOCK_K groups of 8 * WORDS features a tile, x and xsum as `_int4_x_kernel`
+    leaves them. SWIGLU: W is (2N, K), gate rows then up rows (up_rows = N), and y = silu(gate)
+    * up of the program's rows of each half."""
     if PDL:
         gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
     y = _rows(
-        x_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS, BLOCK_N,
-        BLOCK_K, WORDS, EVEN, PDL,
+        x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS,
+        BLOCK_N, BLOCK_K, WORDS, EVEN, PDL,
     )  # fmt: skip
     up = y
     if SWIGLU:
         up = _rows(
-            x_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows_ok, K, words_per_row, groups, BITS,
-            BLOCK_N, BLOCK_K, WORDS, EVEN, False,
+            x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows_ok, K, words_per_row,
+            groups, BITS, BLOCK_N, BLOCK_K, WORDS, EVEN, False,
         )  # fmt: skip
     _finish(
         y, up, b_ptr, r_ptr, y_ptr, rows, rows_ok, up_rows, HAS_BIAS, RESIDUAL, SWIGLU,
         ROUND_BF16_BY_HAND,
     )  # fmt: skip
+
+
+def _int4_x(x: Tensor, groups: int, pdl: bool) -> tuple[Tensor, Tensor]:
+    """x (K,) as the int4 product reads it: (xs (K,), xsum (K / 8,)), fp32 (`_int4_x_kernel`)."""
+    k = x.shape[0]
+    words = k // groups // 8
+    xs = torch.empty(k, dtype=torch.float32, device=x.device)
+    xsum = torch.empty(k // 8, dtype=torch.float32, device=x.device)
+    per_program = max(1, 1024 // (8 * words))  # groups a program: about 1024 features
+    launch(
+        _int4_x_kernel, (triton.cdiv(groups, per_program),), x.device, x, xs, xsum, k, groups,
+        WORDS=words, GROUPS=per_program, PDL=pdl, num_warps=4,
+    )  # fmt: skip
+    return xs, xsum
 
 
 def gemv_supported(kind: str, shape: tuple[int, int]) -> bool:
@@ -266,9 +317,12 @@ def quant_gemv(
     block_n, block_k, warps, stages = (_INTERPRET if interpret else CONFIG)[kind]
     pdl = pdl_enabled(x.device)
     y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)
+    x_in, xsum = x.reshape(k).contiguous(), scale
+    if kind == "int4":  # x scaled and summed once for all the rows, by a small kernel before
+        x_in, xsum = _int4_x(x_in, groups, pdl)
     launch(
         _quant_gemv_kernel, (triton.cdiv(out, block_n),), x.device,
-        x.reshape(k).contiguous(), values, scale, zero, bias if bias is not None else scale,
+        x_in, xsum, values, scale, zero, bias if bias is not None else scale,
         residual.reshape(out).contiguous() if residual is not None else scale, y, out, k, k // 8,
         groups, out if swiglu else 0, BITS=8 if kind == "int8" else 4, BLOCK_N=block_n,
         BLOCK_K=block_k, WORDS=k // groups // 8 if kind == "int4" else 1,
