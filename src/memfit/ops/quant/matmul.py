@@ -172,7 +172,7 @@ def _grouped(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr)
 
 @triton.jit
 def _forward_kernel(
-    x_ptr, y_ptr, b_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, group, stride_x,
+    x_ptr, y_ptr, b_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, stride_x,
     stride_y, M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROUND_BF16_BY_HAND: tl.constexpr, WORDS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
@@ -204,8 +204,8 @@ def _forward_kernel(
 
 @triton.jit
 def _dx_kernel(
-    g_ptr, dx_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, group, stride_g,
-    stride_dx, M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
+    g_ptr, dx_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, M, N, K, stride_g, stride_dx,
+    M_BUCKET, KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
     WORDS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """dx[m tile, k tile] = g W over all N."""
@@ -236,7 +236,7 @@ def _dx_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    out_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, N, K, group,
+    out_ptr, w_ptr, s_ptr, a_ptr, code_ptr, mean_ptr, N, K,
     KIND: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
     WORDS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
@@ -286,8 +286,8 @@ _TUNED = {
 def _weight_args(
     state: dict[str, Tensor], kind: str, shape: tuple[int, int], device: torch.device
 ) -> tuple:
-    """The kernels' weight pointers (w, s, a, code, mean), int4's group (1 otherwise) and their
-    KIND, ALIGNED, after checking that `state` holds a weight of `shape` on `device`."""
+    """The kernels' weight pointers (w, s, a, code, mean) and their KIND, ALIGNED, WORDS, after
+    checking that `state` holds a weight of `shape` on `device`."""
     n, k = shape
     if kind not in ("nf4", "int8", "int4"):
         raise ValueError(f"quantized kind must be 'nf4', 'int8' or 'int4', got {kind!r}")
@@ -312,18 +312,18 @@ def _weight_args(
             raise ValueError(f"the {kind} state is on {tensor.device}, the operand on {device}")
     if kind == "int8":
         scale = state["scale"]
-        return (state["q"], scale, scale, scale, scale), 1, dict(KIND=_INT8, ALIGNED=False, WORDS=1)
+        return (state["q"], scale, scale, scale, scale), dict(KIND=_INT8, ALIGNED=False, WORDS=1)
     if kind == "int4":
         if k % groups or (k // groups) % 16:
             raise ValueError(f"int4 groups of {k} / {groups} features are not whole words")
         scale = state["scale"]
         pointers = (state["packed"], scale, state["zero"], scale, scale)
-        return pointers, k // groups, dict(KIND=_INT4, ALIGNED=False, WORDS=k // groups // 8)
+        return pointers, dict(KIND=_INT4, ALIGNED=False, WORDS=k // groups // 8)
     pointers = (
         state["packed"], state["absmax_scale"], state["absmax_q"], _code(device),
         state["absmax_mean"],
     )  # fmt: skip
-    return pointers, 1, dict(KIND=_NF4, ALIGNED=k % NF4_BLOCK == 0, WORDS=1)
+    return pointers, dict(KIND=_NF4, ALIGNED=k % NF4_BLOCK == 0, WORDS=1)
 
 
 def _check(a: Tensor, features: int, what: str) -> None:
@@ -359,7 +359,7 @@ def quant_matmul(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    pointers, group, meta = _weight_args(state, kind, shape, x.device)
+    pointers, meta = _weight_args(state, kind, shape, x.device)
     if bias is not None and (bias.shape != (n,) or bias.device != x.device or bias.stride(0) != 1):
         raise ValueError(
             f"the bias must be ({n},) contiguous on {x.device}, got {tuple(bias.shape)}"
@@ -367,7 +367,7 @@ def quant_matmul(
     _launch(
         _forward_kernel,
         lambda c: (triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),), x.device,
-        x, y, bias if bias is not None else y, *pointers, m, n, k, group, x.stride(0), y.stride(0),
+        x, y, bias if bias is not None else y, *pointers, m, n, k, x.stride(0), y.stride(0),
         _bucket(m), HAS_BIAS=bias is not None,
         ROUND_BF16_BY_HAND=x.device.type == "cpu" and x.dtype == torch.bfloat16, **meta,
     )  # fmt: skip
@@ -385,11 +385,11 @@ def quant_matmul_dx(
     dx = torch.empty((m, k), dtype=g.dtype, device=g.device)
     if m == 0:
         return dx
-    pointers, group, meta = _weight_args(state, kind, shape, g.device)
+    pointers, meta = _weight_args(state, kind, shape, g.device)
     _launch(
         _dx_kernel,
         lambda c: (triton.cdiv(m, c["BM"]) * triton.cdiv(k, c["BK"]),), g.device,
-        g, dx, *pointers, m, n, k, group, g.stride(0), dx.stride(0), _bucket(m),
+        g, dx, *pointers, m, n, k, g.stride(0), dx.stride(0), _bucket(m),
         ROUND_BF16_BY_HAND=g.device.type == "cpu" and g.dtype == torch.bfloat16, **meta,
     )  # fmt: skip
     return dx
@@ -402,10 +402,10 @@ def dequantize(
     n, k = shape
     device = next(iter(state.values())).device
     out = torch.empty((n, k), dtype=dtype, device=device)
-    pointers, group, meta = _weight_args(state, kind, shape, device)
+    pointers, meta = _weight_args(state, kind, shape, device)
     bn, bk = (16, 64) if device.type == "cpu" else (32, 256)
     launch(
-        _dequantize_kernel, (triton.cdiv(n, bn), triton.cdiv(k, bk)), device, out, *pointers, n, k, group,
+        _dequantize_kernel, (triton.cdiv(n, bn), triton.cdiv(k, bk)), device, out, *pointers, n, k,
         ROUND_BF16_BY_HAND=device.type == "cpu" and dtype == torch.bfloat16, BN=bn, BK=bk,
         num_warps=4, **meta,
     )  # fmt: skip
