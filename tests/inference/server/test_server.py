@@ -3,7 +3,8 @@ transformers with a tokenizer and a chat template: httpx and the `openai` client
 it, with the engine in a process of its own (as `memfit serve` runs it) and in a thread.
 Streamed and non-streamed outputs equal the offline engine's; concurrent streams all finish; a
 client that disconnects frees its blocks; bad requests get OpenAI-style 400s and the server
-keeps serving; a full queue answers 429; an engine process that dies turns /health to 503."""
+keeps serving; a full queue answers 429; an engine process that dies turns /health to 503; an
+fp8 KV cache and int8 / int4 weights serve the offline engine's tokens in the same setting."""
 
 import asyncio
 import json
@@ -411,5 +412,46 @@ def test_an_fp8_kv_cache_serves_the_offline_engines_tokens(checkpoint, monkeypat
         chunks = client.chat.completions.create(**options, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
         test_a_client_that_disconnects_frees_its_blocks(server, monkeypatch)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_weights_serve_the_offline_engines_tokens(checkpoint, kind):
+    """`memfit serve --quantize int8|int4`: the engine process quantizes the checkpoint at load
+    as an offline LLM does (the blocks' weights, and the output head in int8); completions,
+    greedy and seeded sampling, streamed or not, give the offline quantized engine's tokens and
+    log-probabilities, which are not the full-precision model's."""
+    options = {"block_size": 4, "quantize": kind, **DEVICES["cpu"]}
+    reference = LLM(checkpoint, **options)
+    full = LLM(checkpoint, block_size=4, **DEVICES["cpu"])
+    server = Server(AsyncEngine.spawn(str(checkpoint), **options))
+    try:
+        assert server.metric("memfit_kv_blocks_total") == reference.cache.pool.num_blocks
+        prompt_ids = reference.encode("w5 w9 w12")
+        for temperature in (0.0, 0.9):
+            params = SamplingParams(
+                max_tokens=10, temperature=temperature, seed=5, logprobs=True, ignore_eos=True
+            )
+            want = offline(reference, prompt_ids, params)
+            body = {"model": "tiny", "prompt": "w5 w9 w12", "max_tokens": 10, "seed": 5,
+                    "temperature": temperature, "return_token_ids": True, "logprobs": 1,
+                    "ignore_eos": True}  # fmt: skip
+            got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+            choice = got["choices"][0]
+            assert choice["token_ids"] == want.token_ids
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-5)
+            with httpx.stream("POST", f"{server.url}/v1/completions",
+                              json={**body, "stream": True}, timeout=60) as response:  # fmt: skip
+                events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+            streamed = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+            assert streamed == want.token_ids
+        # the full-precision model scores the same tokens otherwise: a server that ignored
+        # --quantize would fail the log-probabilities above
+        unquantized = offline(full, prompt_ids, SamplingParams(
+            max_tokens=10, logprobs=True, ignore_eos=True))  # fmt: skip
+        greedy = offline(reference, prompt_ids, SamplingParams(
+            max_tokens=10, logprobs=True, ignore_eos=True))  # fmt: skip
+        assert unquantized.logprobs != pytest.approx(greedy.logprobs, abs=1e-4)
     finally:
         server.close()
