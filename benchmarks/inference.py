@@ -23,6 +23,9 @@
   kernel alone over fp8, int8 and bf16 pools (the KERNEL_CASES with head dim 128), time and
   the bytes it reads per second; with --sweep, the decode configurations over one-byte pools
   (DECODE_CONFIGS_FP8, DECODE_CONFIGS_INT8).
+- weights: the throughput workload over bf16, int8 and int4 weights (`LLM(quantize=...)`) of
+  --weights-model (llama-3-8b shapes), the KV pool fixed at --kv-budget-gib for each: tokens/s,
+  steps and the time of a decode step when many sequences decode together.
 - batch1: one prompt of 128 tokens, 256 new tokens, tokens/s and time per token, against the
   limit of reading the weights and the KV cache once per token at the measured copy bandwidth,
   for llama-3.2-1b and llama-3-8b shapes.
@@ -272,6 +275,37 @@ def _engine_run(llm, prompts, params) -> dict:
         "kv_blocks": stats["kv_blocks"], "kv_blocks_peak": stats["kv_blocks_peak"],
         "decode_steps": stats["decode_steps"], "decode_seconds": stats["decode_seconds"],
     }  # fmt: skip
+
+
+def weights(
+    device: torch.device, model: str, requests: int, new_tokens: int, budget_gib: float
+) -> dict:
+    """The workload of `throughput` over bf16, int8 and int4 weights (`LLM(quantize=...)`), the
+    KV pool fixed at budget_gib for each: what weight-only quantization does to throughput when
+    many sequences decode together (each step's products then have a row a running sequence)."""
+    from memfit.inference import LLM, SamplingParams
+
+    prompts = _prompts(requests, 64, 512, 128256)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    result = {"model": model, "requests": requests, "new_tokens": new_tokens,
+              "kv_budget_gib": budget_gib}  # fmt: skip
+    for kind in (None, "int8", "int4"):
+        llm = LLM(model, device=device, kv_cache_bytes=int(budget_gib * GiB), quantize=kind)
+        row = _engine_run(llm, prompts, params)
+        row["decode_ms_per_step"] = row["decode_seconds"] / max(row["decode_steps"], 1) * 1e3
+        result[kind or "bf16"] = row
+        print(
+            f"{model} {kind or 'bf16'} weights: {row['tokens_per_s']:,.0f} tokens/s, "
+            f"{row['steps']} steps, {row['decode_ms_per_step']:.2f} ms a decode step, "
+            f"{row['preemptions']} preemptions, peak {row['peak_gib']:.1f} GiB",
+            flush=True,
+        )
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for kind in ("int8", "int4"):
+        result[f"{kind}_over_bf16"] = result[kind]["tokens_per_s"] / result["bf16"]["tokens_per_s"]
+    return result
 
 
 FP8_SWEEP_CASES = KERNEL_CASES + [(256, 512, 32, 8, 128)]
@@ -526,8 +560,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batch1-models", nargs="+", default=["llama-3.2-1b", "llama-3-8b"])
     parser.add_argument(
-        "--kv-budget-gib", type=float, default=1.0, help="kv_fp8: the KV pool of both runs"
+        "--kv-budget-gib", type=float, default=1.0, help="kv_fp8, weights: the KV pool of each run"
     )
+    parser.add_argument("--weights-model", default="llama-3-8b", help="weights: the model")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -546,6 +581,10 @@ def main() -> None:
     if "kv_fp8" in args.parts:
         run["kv_fp8"] = kv_fp8(
             device, args.requests, args.new_tokens, args.kv_budget_gib, args.sweep
+        )
+    if "weights" in args.parts:
+        run["weights"] = weights(
+            device, args.weights_model, args.requests, args.new_tokens, args.kv_budget_gib
         )
     if "batch1" in args.parts:
         run["batch1"] = batch1(device, copy_bw, args.batch1_models, args.new_tokens)
