@@ -184,7 +184,9 @@ class TrainSection(_Section):
     and so are their gradients: 4 bytes per parameter fewer."""
     """A registered optimizer (memfit.optim.OPTIMIZERS): adamw, adamw8bit (8-bit states),
     adafactor (factored second moments), sm3, sgd."""
-    lr: float = 3e-3
+    lr: float | None = None
+    """The peak learning rate; None (or "auto"): by the model's size, 3e-3 for the tiny preset
+    down to 1.5e-4 at 8B parameters (memfit.optim.default_lr)."""
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.1
@@ -205,12 +207,12 @@ class TrainSection(_Section):
 
     def validate(self) -> None:
         _positive(
-            "train",
-            steps=self.steps,
-            micro_batch=self.micro_batch,
-            grad_accum=self.grad_accum,
-            lr=self.lr,
+            "train", steps=self.steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )
+        if self.lr is not None:
+            if not math.isfinite(self.lr):
+                raise ValueError(f"train.lr = {self.lr!r} is not a finite number")
+            _positive("train", lr=self.lr)
         check_between("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
         if self.checkpoint_blocks is not None:
             check_at_least("train.checkpoint_blocks", self.checkpoint_blocks, 0)
@@ -496,7 +498,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     if typing.get_origin(target) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         optional = type(None) in typing.get_args(target)
         target = next(t for t in typing.get_args(target) if t is not type(None))
-        if optional and (value is None or str(value).lower() in ("none", "all")):
+        if optional and (value is None or str(value).lower() in ("none", "all", "auto")):
             return None  # (`--set train.checkpoint_blocks=all` clears a file's value)
     try:
         if target is bool:

@@ -157,3 +157,19 @@ def test_sdpa_and_eager_attention_agree():
     eager = build_model(config, attention="eager", seed=3)
     sdpa = build_model(config, attention="sdpa", seed=3)
     torch.testing.assert_close(sdpa(tokens), eager(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_config_file_names_the_model_by_its_directory_or_file(tmp_path, monkeypatch):
+    """A config.json takes its directory's name (also as ./config.json), another file its own
+    name less .json, dots kept; a hub config's _name_or_path wins."""
+    directory = tmp_path / "Llama-3.2-1B"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(_tiny_hf_config("llama")))
+    (directory / "my-llama-3.2.json").write_text(json.dumps(_tiny_hf_config("llama")))
+    assert load_model_config(str(directory / "config.json")).name == "Llama-3.2-1B"
+    assert load_model_config(str(directory / "my-llama-3.2.json")).name == "my-llama-3.2"
+    monkeypatch.chdir(directory)
+    assert load_model_config("config.json").name == "Llama-3.2-1B"
+    named = _tiny_hf_config("llama", _name_or_path="meta-llama/Llama-3.2-1B")
+    (directory / "config.json").write_text(json.dumps(named))
+    assert load_model_config("config.json").name == "meta-llama/Llama-3.2-1B"

@@ -446,6 +446,14 @@ def to_hf_config(config: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]
     return hf
 
 
+def _name_of(path: Path) -> str:
+    """A config file's model name: its directory's for a config.json (a checkpoint's, or
+    ./config.json's: the working directory's), else the file's name less .json."""
+    if path.name == "config.json":
+        return path.resolve().parent.name or "config"
+    return path.name.removesuffix(".json")
+
+
 def _from_hf_dict(hf: dict[str, Any], path: Path, model_type: str) -> ModelConfig:
     def number(key: str, value: Any) -> float:
         if not _is_number(value):
@@ -459,7 +467,7 @@ def _from_hf_dict(hf: dict[str, Any], path: Path, model_type: str) -> ModelConfi
     rope_parameters = hf.get("rope_parameters")
     rope_parameters = rope_parameters if isinstance(rope_parameters, dict) else {}
     return ModelConfig(
-        name=str(hf.get("_name_or_path") or path.parent.name or "hf"),
+        name=str(hf.get("_name_or_path") or _name_of(path)),
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],

@@ -10,7 +10,13 @@ from memfit.optim.registry import (
     model_state_bytes,
     register_optimizer,
 )
-from memfit.optim.schedule import build_scheduler, lr_multiplier, make_optimizer, parameter_groups
+from memfit.optim.schedule import (
+    build_scheduler,
+    default_lr,
+    lr_multiplier,
+    make_optimizer,
+    parameter_groups,
+)
 
 __all__ = [
     "OPTIMIZERS",
@@ -18,6 +24,7 @@ __all__ = [
     "OptimizerSpec",
     "build_scheduler",
     "check_sharding",
+    "default_lr",
     "get_optimizer",
     "lr_multiplier",
     "make_optimizer",

@@ -1,5 +1,6 @@
-"""Parameter groups, the configured optimizer (built from the registry) and the learning-rate
-schedule. Weight decay applies to matrices and embeddings only, not to norm weights or biases.
+"""Parameter groups, the configured optimizer (built from the registry), the learning-rate
+schedule and the default peak learning rate by model size. Weight decay applies to matrices and
+embeddings only, not to norm weights or biases.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def make_optimizer(
     groups: list[dict], train: TrainSection, device: torch.device
 ) -> torch.optim.Optimizer:
     """The configured optimizer (`train.optimizer`, from the registry) over `groups`, tensors on
-    `device` (the CPU for ZeRO-Offload's step)."""
+    `device` (the CPU for ZeRO-Offload's step). train.lr must be set (the engine sets one by
+    the model's size, `default_lr`, when the config leaves it None)."""
+    if train.lr is None:
+        raise ValueError("train.lr is None: set it, or take default_lr(the model's parameters)")
     return get_optimizer(train.optimizer).build(
         groups,
         lr=train.lr,
@@ -50,6 +54,15 @@ def make_optimizer(
         momentum=train.momentum,
         device=device,
     )
+
+
+def default_lr(num_params: int) -> float:
+    """The peak learning rate a run takes when none is given: 3e-3 up to a million parameters
+    (the tiny preset), then falling as the cube root of the size: 6e-4 at 125M, 3e-4 at 1B,
+    2e-4 at 3B, 1.5e-4 at 8B, 7e-5 at 70B. Published pretraining runs sit on this curve (GPT-3:
+    6e-4 at 125M, 2e-4 at 1.3B, 1.2e-4 at 6.7B; Pythia-1B and TinyLlama 3e-4 and 4e-4); a
+    larger model takes smaller steps, and 3e-3 makes a 3B model diverge in its first steps."""
+    return 3e-3 / max(1.0, num_params / 1e6) ** (1 / 3)
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

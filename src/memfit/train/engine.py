@@ -43,7 +43,13 @@ from memfit.distributed.parallelize import compiles_blocks, parallelize
 from memfit.functional import resolve_attention
 from memfit.models.config import check_seq_len, load_model_config
 from memfit.models.llama import build_model
-from memfit.optim import LocalOptimizer, build_scheduler, make_optimizer, parameter_groups
+from memfit.optim import (
+    LocalOptimizer,
+    build_scheduler,
+    default_lr,
+    make_optimizer,
+    parameter_groups,
+)
 from memfit.planner.advice import planner_advice, preflight
 from memfit.train import checkpoint as ckpt
 from memfit.train.data import build_data
@@ -103,7 +109,10 @@ def pretrained_directory(name: str) -> Path | None:
 
 
 def default_run_dir(model_name: str) -> str:
-    return os.path.join("runs", f"{Path(model_name).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    """runs/NAME-DATE-TIME, NAME the last part of the model's name ("meta-llama/Llama-3.2-1B":
+    Llama-3.2-1B, dots kept)."""
+    name = model_name.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json") or "run"
+    return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 class Trainer:
@@ -123,7 +132,7 @@ class Trainer:
             )  # fmt: skip
             launch.check_same(
                 {
-                    f"{section}.{key}": repr(value)
+                    f"{section}.{key}": "auto" if value is None else repr(value)
                     for section, values in config.to_dict().items()
                     for key, value in values.items()
                 }
@@ -172,6 +181,14 @@ class Trainer:
             )
             logger.info("tokenizer of %s", self.pretrained)
         check_seq_len(self.model_config, config.data.seq_len, error=ConfigError)
+        if train.lr is None:  # by the model's size
+            lr = default_lr(self.model_config.num_params)
+            train = dataclasses.replace(train, lr=lr)
+            config = self.config = dataclasses.replace(config, train=train)
+            logger.info(
+                "learning rate %.2g, by the model's size (%.3gB parameters; --lr sets another)",
+                lr, self.model_config.num_params / 1e9,
+            )  # fmt: skip
         blocks = config.train.checkpoint_blocks
         if blocks is not None and blocks > self.model_config.num_layers:
             raise ConfigError(
