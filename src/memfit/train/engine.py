@@ -41,7 +41,7 @@ from memfit.config import Config, check_parallelism, to_toml
 from memfit.distributed import ZeroOptimizer
 from memfit.distributed.parallelize import compiles_blocks, parallelize
 from memfit.functional import resolve_attention
-from memfit.models.config import check_seq_len, load_model_config
+from memfit.models.config import check_seq_len, format_params, load_model_config
 from memfit.models.llama import build_model
 from memfit.optim import (
     LocalOptimizer,
@@ -186,8 +186,8 @@ class Trainer:
             train = dataclasses.replace(train, lr=lr)
             config = self.config = dataclasses.replace(config, train=train)
             logger.info(
-                "learning rate %.2g, by the model's size (%.3gB parameters; --lr sets another)",
-                lr, self.model_config.num_params / 1e9,
+                "learning rate %.2g, by the model's size (%s parameters; --lr sets another)",
+                lr, format_params(self.model_config.num_params),
             )  # fmt: skip
         blocks = config.train.checkpoint_blocks
         if blocks is not None and blocks > self.model_config.num_layers:
