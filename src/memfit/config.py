@@ -42,7 +42,9 @@ class _Section:
                     f"{section}.{f.name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
                 )
             # NaN passes every `value <= 0` check below, and inf is no learning rate or timeout
-            if hints[f.name] is float and not math.isfinite(value):
+            if float in (hints[f.name], *typing.get_args(hints[f.name])) and (
+                isinstance(value, float) and not math.isfinite(value)
+            ):
                 raise ValueError(f"{section}.{f.name} = {value!r} is not a finite number")
         self.validate()
 
@@ -210,8 +212,6 @@ class TrainSection(_Section):
             "train", steps=self.steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )
         if self.lr is not None:
-            if not math.isfinite(self.lr):
-                raise ValueError(f"train.lr = {self.lr!r} is not a finite number")
             _positive("train", lr=self.lr)
         check_between("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
         if self.checkpoint_blocks is not None:

@@ -132,7 +132,7 @@ class Trainer:
             )  # fmt: skip
             launch.check_same(
                 {
-                    f"{section}.{key}": "auto" if value is None else repr(value)
+                    f"{section}.{key}": repr(value)
                     for section, values in config.to_dict().items()
                     for key, value in values.items()
                 }
