@@ -417,15 +417,16 @@ def test_an_fp8_kv_cache_serves_the_offline_engines_tokens(checkpoint, monkeypat
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_quantized_weights_serve_the_offline_engines_tokens(checkpoint, kind):
+def test_quantized_weights_serve_the_offline_engines_tokens(checkpoint, kind, monkeypatch):
     """`memfit serve --quantize int8|int4`: the engine process quantizes the checkpoint at load
     as an offline LLM does (the blocks' weights, and the output head in int8); completions,
     greedy and seeded sampling, streamed or not, give the offline quantized engine's tokens and
-    log-probabilities, which are not the full-precision model's."""
+    log-probabilities, which are not the full-precision model's; a client that leaves mid-stream
+    frees its blocks."""
     options = {"block_size": 4, "quantize": kind, **DEVICES["cpu"]}
     reference = LLM(checkpoint, **options)
     full = LLM(checkpoint, block_size=4, **DEVICES["cpu"])
-    server = Server(AsyncEngine.spawn(str(checkpoint), **options))
+    server = Server(AsyncEngine.spawn(str(checkpoint), on_load=_slow_steps, **options))
     try:
         assert server.metric("memfit_kv_blocks_total") == reference.cache.pool.num_blocks
         prompt_ids = reference.encode("w5 w9 w12")
@@ -453,5 +454,6 @@ def test_quantized_weights_serve_the_offline_engines_tokens(checkpoint, kind):
         greedy = offline(reference, prompt_ids, SamplingParams(
             max_tokens=10, logprobs=True, ignore_eos=True))  # fmt: skip
         assert unquantized.logprobs != pytest.approx(greedy.logprobs, abs=1e-4)
+        test_a_client_that_disconnects_frees_its_blocks(server, monkeypatch)
     finally:
         server.close()
