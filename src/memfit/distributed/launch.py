@@ -17,6 +17,7 @@ configurations stop at once, before any training, naming the settings that diffe
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -82,13 +83,16 @@ def init_world(device: torch.device, *, timeout_s: float) -> tuple[World, torch.
         backend = "nccl" if device.type == "cuda" else "gloo"
         options = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **options)
+        atexit.register(close_world)  # a rank that ends on an error leaves the group too
     return world, device
 
 
 def close_world() -> None:
     """Leave the process group joined by `init_world`, if any. A rank that exits with its group
     still alive leaves the C++ side of gloo/NCCL (and the store client) to the interpreter's
-    shutdown, which can end the process with std::terminate while a peer is still finishing."""
+    shutdown, which can end the process with std::terminate (SIGABRT) while a peer is still
+    finishing; `init_world` therefore also calls this at exit, for a rank that ends on an error
+    without `Trainer.close`."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -158,11 +162,13 @@ class Heartbeat:
         ]
         for thread in self._threads:
             thread.start()
+        atexit.register(self.stop)  # before the group goes (atexit runs the newest first)
 
     def stop(self) -> None:
         """Stop beating and wait (briefly) for both threads to end, so that none is inside a
         store call when the process group goes away."""
         self._stopped.set()
+        atexit.unregister(self.stop)
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=self.interval_s + 5.0)
