@@ -152,12 +152,13 @@ def test_plan_recommend(capsys):
     assert "fits" in capsys.readouterr().out
 
 
-def test_plan_recommend_on_several_gpus_points_at_zero(capsys):
-    """--recommend searches single-GPU strategies; for N GPUs it says how to plan a ZeRO run
-    (which the engine has), not that ZeRO is missing."""
-    assert main(["plan", "--model", "llama-1b", "--recommend", "--gpus", "4"]) == 2
-    err = capsys.readouterr().err.replace("\n", " ")
-    assert "single-GPU strategies" in err and "memfit plan --gpus 4 --zero" in err
+def test_plan_recommend_on_several_gpus_ranks_zero_stages(capsys):
+    """--recommend --gpus N searches ZeRO stages and offload too, and the command it prints
+    launches N processes with the stage it chose."""
+    assert main(["plan", "--model", "llama-1b", "--recommend", "--gpus", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (rich wraps the table and lines)
+    assert "on 4 x" in out and "x 4 GPUs" in out
+    assert "run the first: torchrun --nproc_per_node 4 -m memfit train --model llama-1b" in out
     assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--zero", "3", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert planned["fits"] and planned["step_time"]["communication_s"] > 0

@@ -82,14 +82,52 @@ def test_recommend_checkpoints_only_the_blocks_a_micro_batch_needs():
 
 
 def test_recommend_refuses_what_the_engine_cannot_run():
-    assert rank_strategies(PRESETS["llama-3-70b"], GPUS["h100-sxm"]) == []
-    # llama-2-7b: nothing with fp32 AdamW on one GPU; only 8-bit AdamW with bf16 weights fits
-    lean = rank_strategies(PRESETS["llama-2-7b"], GPUS["h100-sxm"])
+    roomy, small = 512 * 2**30, 16 * 2**30  # host memory: offload pins at most half of it
+    assert rank_strategies(PRESETS["llama-3-70b"], GPUS["h100-sxm"], host_memory=roomy) == []
+    # llama-2-7b on one H100: fp32 AdamW fits only with the parameters and the optimizer in CPU
+    # memory (ZeRO-3 offload); without the host memory for it, only 8-bit AdamW with bf16
+    # weights does
+    lean = rank_strategies(PRESETS["llama-2-7b"], GPUS["h100-sxm"], host_memory=small)
     assert lean and {(r.strategy.optimizer, r.strategy.master_weights) for r in lean} == {
         ("adamw8bit", "none")
     }
-    with pytest.raises(ValueError, match="ZeRO"):
-        rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], gpus=4)
+    offloaded = rank_strategies(PRESETS["llama-2-7b"], GPUS["h100-sxm"], host_memory=roomy)
+    assert offloaded and {
+        (r.strategy.optimizer, r.strategy.zero, r.strategy.offload) for r in offloaded
+    } == {("adamw", 3, "params")}
+    assert all(r.plan.host_bytes <= roomy // 2 for r in offloaded)
+    with pytest.raises(ValueError, match="gpus must be >= 1"):
+        rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], gpus=0)
+
+
+def test_recommend_searches_zero_stages_and_offload_on_several_gpus():
+    """--gpus N: every ZeRO stage and offload the engine runs with the optimizer, a step of all
+    N GPUs holding the tokens asked for; a model no stage fits on one GPU fits sharded."""
+    from memfit.cli.plan import train_command
+    from memfit.planner.search import layouts
+
+    roomy = 2**40
+    found = rank_strategies(
+        PRESETS["llama-1b"], GPUS["h100-sxm"], gpus=4, limit=400, host_memory=roomy
+    )
+    assert {r.strategy.world_size for r in found} == {4}
+    assert {(r.strategy.zero, r.strategy.offload) for r in found} == set(layouts(4))
+    for r in found:
+        s = r.strategy
+        assert s.micro_batch * s.grad_accum * s.seq_len * 4 == max(2**19, s.micro_batch * 2048 * 4)
+    speeds = [r.time.tokens_per_s for r in found]
+    assert speeds == sorted(speeds, reverse=True)
+    command = train_command("llama-1b", found[0].strategy)
+    assert command.startswith("torchrun --nproc_per_node 4 -m memfit train --model llama-1b")
+    if found[0].strategy.zero:
+        assert f"--zero {found[0].strategy.zero}" in command
+    big = PRESETS["llama-3-70b"]
+    assert rank_strategies(big, GPUS["h100-sxm"], host_memory=roomy) == []
+    sharded = rank_strategies(big, GPUS["h100-sxm"], gpus=8, host_memory=roomy)
+    assert sharded and all(r.strategy.zero == 3 for r in sharded)
+    # the factored optimizers keep whole tensors: one process only; LoRA: stages 0-2, no offload
+    assert layouts(2, "adafactor") == [] and layouts(1, "sm3") == [(0, "none")]
+    assert layouts(2, "adamw", lora_rank=16) == [(0, "none"), (1, "none"), (2, "none")]
 
 
 def test_package_level_contract():

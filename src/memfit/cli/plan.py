@@ -159,13 +159,15 @@ def run_rank_strategies(
             f": {' and '.join(others)} above train adapters on a frozen base" if others else ""
         )
         what = "full fine-tuning" if asked == "full" else asked
+        on = gpu.name if args.gpus == 1 else f"{args.gpus} x {gpu.name}"
         console.print(
-            f"[red]no single-GPU strategy of {escape(model.name)} ({what}) at seq {args.seq_len} "
-            f"fits {gpu.name}[/]{instead}",
+            f"[red]no strategy of {escape(model.name)} ({what}) at seq {args.seq_len} "
+            f"fits {on}[/]{instead}",
             highlight=False,
         )
         strategy = Strategy(
             seq_len=args.seq_len, micro_batch=1, checkpointing="full", optimizer=args.optimizer,
+            world_size=args.gpus, zero=3 if args.gpus > 1 and asked == "full" else 0,
             **(shared if asked == "full" else {"lora_rank": rank, **shared}),
             **({"quantize_base": quantize} if asked.startswith("QLoRA") else {}),
         )  # fmt: skip
@@ -202,9 +204,11 @@ def _goals_table(
     all put activations in pinned host memory, the fastest that does not; a row saying so for a
     goal that nothing fits."""
     per_goal = 5 if len(found) == 1 else 3
+    gpus = next((r.strategy.world_size for rs in found.values() for r in rs), 1)
+    on = gpu.name if gpus == 1 else f"{gpus} x {gpu.name}"
     table = Table(
-        title=f"memfit plan --recommend: {escape(model.name)} on {gpu.name} "
-        f"({gib(gpu.memory_bytes)}), seq {seq_len}, each goal fastest first"
+        title=f"memfit plan --recommend: {escape(model.name)} on {on} "
+        f"({gib(gpu.memory_bytes)} each), seq {seq_len}, each goal fastest first"
     )
     for column in ("goal", "strategy", "peak allocated", "tokens/s (predicted)", "MFU", "step (s)"):
         table.add_column(column)
@@ -233,14 +237,21 @@ def _goals_table(
 
 
 def train_command(model: str, strategy: Strategy) -> str:
-    """The `memfit train` command line of a single-GPU strategy."""
+    """The `memfit train` command line of a strategy (under torchrun on several GPUs)."""
+    launch = "memfit train"
+    if strategy.world_size > 1:
+        launch = f"torchrun --nproc_per_node {strategy.world_size} -m memfit train"
     parts = [
-        f"memfit train --model {model} --precision {strategy.precision}",
+        f"{launch} --model {model} --precision {strategy.precision}",
         f"--seq-len {strategy.seq_len} --micro-batch {strategy.micro_batch}",
         f"--grad-accum {strategy.grad_accum} --checkpointing {strategy.checkpointing}",
     ]
     if strategy.checkpoint_blocks is not None:
         parts.append(f"--checkpoint-blocks {strategy.checkpoint_blocks}")
+    if strategy.zero:
+        parts.append(f"--zero {strategy.zero}")
+    if strategy.offload != "none":
+        parts.append(f"--offload {strategy.offload}")
     if strategy.optimizer != "adamw":
         parts.append(f"--optimizer {strategy.optimizer}")
     if strategy.master_weights != "fp32":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import statistics
 
@@ -21,8 +22,11 @@ def gib(n: float) -> str:
 
 
 def choose_strategy(config: Config, console: Console) -> Config:
-    """--auto: the planner's fastest strategy that fits the present GPU, keeping the tokens per
-    optimizer step of the configuration (micro-batch x accumulation x sequence)."""
+    """--auto: the planner's fastest strategy that fits the present GPU, times the processes of
+    a torchrun launch (WORLD_SIZE), keeping the tokens per optimizer step of the configuration
+    (micro-batch x accumulation x sequence x processes): the micro-batch, accumulation,
+    checkpointing, optimizer, ZeRO stage and offload. Every rank plans alike, so all choose
+    the same."""
     from memfit.models.config import load_model_config
     from memfit.planner import detect_gpu, fine_tuning_fields, rank_strategies
 
@@ -34,19 +38,22 @@ def choose_strategy(config: Config, console: Console) -> Config:
         )
     train = config.train
     model = load_model_config(config.model.name)
-    tokens_per_step = train.micro_batch * train.grad_accum * config.data.seq_len
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens_per_step = train.micro_batch * train.grad_accum * config.data.seq_len * gpus
     found = rank_strategies(
         model,
         gpu,
         seq_len=config.data.seq_len,
+        gpus=gpus,
         tokens_per_step=tokens_per_step,
         optimizer=train.optimizer,
         **fine_tuning_fields(config),  # a LoRA / QLoRA run plans as one, with its teacher
     )
     if not found:
+        on = gpu.name if gpus == 1 else f"{gpus} x {gpu.name}"
         raise ValueError(
-            f"--auto: no single-GPU strategy of {model.name} at seq {config.data.seq_len} fits "
-            f"{gpu.name}; `memfit plan --model {config.model.name} --recommend` says what would"
+            f"--auto: no strategy of {model.name} at seq {config.data.seq_len} fits {on}; "
+            f"`memfit plan --model {config.model.name} --recommend --gpus {gpus}` says what would"
         )
     best = found[0]
     console.print(
@@ -64,7 +71,10 @@ def choose_strategy(config: Config, console: Console) -> Config:
         optimizer=best.strategy.optimizer,
         master_weights=best.strategy.master_weights,
     )
-    return dataclasses.replace(config, train=chosen)
+    distributed = dataclasses.replace(
+        config.distributed, zero=best.strategy.zero, offload=best.strategy.offload
+    )
+    return dataclasses.replace(config, train=chosen, distributed=distributed)
 
 
 def run_train(config: Config, console: Console, *, auto: bool = False) -> int:

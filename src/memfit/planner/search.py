@@ -1,14 +1,17 @@
 """Strategy search: enumerate the strategies the engine can run, keep those that fit the GPU with
 a safety margin, rank them by predicted tokens/s.
 
-Enumerated: precision (bf16; fp16 where the GPU lacks bf16 is not in the catalog), activation
-checkpointing none / selective / full, and where a micro-batch fits with checkpointing but not
-without, checkpointing of only as many blocks as it needs to fit (the fewest: the least
-recompute), micro-batch 1, 2, 4, ... 64, with gradient accumulation
-so that a step holds about `tokens_per_step` tokens. Single-GPU strategies only: the engine runs
-ZeRO stages 0-3 and offload on several GPUs (torchrun), but the search does not enumerate them
-yet, so `gpus > 1` is refused rather than answered with single-GPU strategies; `memfit plan
---gpus N --zero S [--offload ...]` plans one such strategy.
+Enumerated: precision (bf16; fp16 where the GPU lacks bf16 is not in the catalog), the layout of
+the training state over the `gpus` data-parallel GPUs (ZeRO stage 0-3, the optimizer's state or
+also the parameters offloaded to CPU memory: every pair `check_parallelism` accepts for that
+optimizer and GPU count; on one GPU, none, optimizer offload and stage 3 with parameter
+offload), activation checkpointing none / selective / full, each also with activation offload,
+and where a micro-batch fits with checkpointing but not without, checkpointing of only as many
+blocks as it needs to fit (the fewest: the least recompute), micro-batch 1, 2, 4, ... 64, with
+gradient accumulation so that a step of all the GPUs holds about `tokens_per_step` tokens.
+The optimizer asked for is searched first; only where nothing fits with it do the memory-lean
+optimizers follow, in order (8-bit AdamW, the same without fp32 master weights, Adafactor, SM3),
+since they train differently and are not to be traded for speed alone.
 
 A strategy trains the whole model or, with LoRA fields (`lora_rank`, `quantize_base`: QLoRA),
 adapters on a frozen base, and may distill from a teacher (`teacher`): `rank_strategies` keeps
@@ -73,30 +76,29 @@ def rank_strategies(
     host_memory: int | None = None,
     **fine_tuning: Any,
 ) -> list[Recommendation]:
-    """Strategies that fit `gpu` with the safety margin, fastest first (at most `limit`), pinning
-    at most HOST_PINNED_FRACTION of `host_memory` bytes (default: this machine's).
+    """Strategies that fit each of `gpus` GPUs of type `gpu` with the safety margin, fastest
+    first (at most `limit`), pinning at most HOST_PINNED_FRACTION of `host_memory` bytes
+    (default: this machine's; offload's and activation offload's, each GPU's share).
     fine_tuning: Strategy fields every strategy keeps (lora_rank, lora_targets, lora_dropout,
     quantize_base, teacher, teacher_quantize, distill_kind, distill_temperature): LoRA or QLoRA
     search those, with `optimizer` over the adapters; full fine-tuning falls back to memory-lean
     optimizers where nothing fits."""
-    if gpus != 1:
-        raise ValueError(
-            f"--gpus {gpus}: --recommend searches single-GPU strategies only (micro-batch, "
-            "accumulation, checkpointing), not ZeRO stages or offload; plan a data-parallel run "
-            f"with `memfit plan --gpus {gpus} --zero S [--offload optimizer|params]` instead"
-        )
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
     check_seq_len(model, seq_len, "seq_len")
     # the optimizer asked for first; where nothing fits with AdamW, its memory-lean forms: 8-bit
-    # states (6 bytes per parameter fewer), then bf16 weights without fp32 masters (4 more)
+    # states (6 bytes per parameter fewer), then bf16 weights without fp32 masters (4 more, one
+    # GPU only), then the factored optimizers' states of about one row and column a matrix
     # (LoRA's states are a few MB: its adapters keep fp32 weights and the optimizer asked for)
     tries = [(optimizer, "fp32")]
     if optimizer == "adamw" and not fine_tuning.get("lora_rank"):
-        tries += [("adamw8bit", "fp32"), ("adamw8bit", "none")]
+        tries += [("adamw8bit", "fp32"), ("adamw8bit", "none"), ("adafactor", "fp32")]
+        tries += [("sm3", "fp32")]
     host = host_memory if host_memory is not None else host_memory_bytes()
     pinned = int(host * HOST_PINNED_FRACTION) if host else None
     for name, master_weights in tries:
         found = _search(
-            model, gpu, seq_len, tokens_per_step, name, master_weights, fine_tuning, pinned
+            model, gpu, gpus, seq_len, tokens_per_step, name, master_weights, fine_tuning, pinned
         )
         if found:
             break
@@ -139,9 +141,28 @@ def rank_goals(
     return found
 
 
+def layouts(gpus: int, optimizer: str = "adamw", **fields: Any) -> list[tuple[int, str]]:
+    """The (ZeRO stage, offload) pairs the engine runs `optimizer` with on `gpus` GPUs, in the
+    order the search prefers at equal speed (less sharding and offload first); fields: other
+    Strategy fields that restrict them (lora_rank: no stage 3, no offload)."""
+    if gpus == 1:  # (stages 1 and 2 shard nothing on one GPU: stage 0 with offload is the same)
+        pairs = [(0, "none"), (0, "optimizer"), (3, "params")]
+    else:
+        pairs = [(z, o) for o in ("none", "optimizer") for z in range(4)] + [(3, "params")]
+    kept = []
+    for zero, offload in pairs:
+        try:
+            Strategy(zero=zero, offload=offload, optimizer=optimizer, world_size=gpus, **fields)
+        except ValueError:
+            continue
+        kept.append((zero, offload))
+    return kept
+
+
 def _search(
     model: ModelConfig,
     gpu: GPU,
+    gpus: int,
     seq_len: int,
     tokens_per_step: int,
     optimizer: str,
@@ -154,26 +175,32 @@ def _search(
     # (activation offload after each checkpointing mode alone: at equal predicted speed the
     # one without it ranks first)
     modes = [("none", False), ("none", True), ("selective", False), ("selective", True)]
-    for checkpointing, offload_activations in [*modes, ("full", False), ("full", True)]:
-        micro_batch = 1
-        while micro_batch <= 64:
-            grad_accum = max(1, tokens_per_step // (micro_batch * seq_len))
-            strategy = Strategy(
-                precision="bf16",
-                micro_batch=micro_batch,
-                seq_len=seq_len,
-                grad_accum=grad_accum,
-                checkpointing=checkpointing,
-                offload_activations=offload_activations,
-                optimizer=optimizer,
-                master_weights=master_weights,
-                **fine_tuning,
-            )
-            memory = plan(model, strategy, gpu)
-            if memory.required_bytes > budget or (pinned and memory.host_bytes > pinned):
-                break  # larger micro-batches need more still
-            found.append(Recommendation(strategy, memory, step_time(model, strategy, gpu)))
-            micro_batch *= 2
+    fields = {"master_weights": master_weights, **fine_tuning}
+    for zero, offload in layouts(gpus, optimizer, **fields):
+        if master_weights == "none" and (zero or offload != "none" or gpus > 1):
+            continue  # (bf16 weights without masters: one process, nothing sharded)
+        for checkpointing, offload_activations in [*modes, ("full", False), ("full", True)]:
+            micro_batch = 1
+            while micro_batch <= 64:
+                grad_accum = max(1, tokens_per_step // (micro_batch * seq_len * gpus))
+                strategy = Strategy(
+                    precision="bf16",
+                    micro_batch=micro_batch,
+                    seq_len=seq_len,
+                    grad_accum=grad_accum,
+                    checkpointing=checkpointing,
+                    offload_activations=offload_activations,
+                    optimizer=optimizer,
+                    zero=zero,
+                    offload=offload,
+                    world_size=gpus,
+                    **fields,
+                )
+                memory = plan(model, strategy, gpu)
+                if memory.required_bytes > budget or (pinned and memory.host_bytes > pinned):
+                    break  # larger micro-batches need more still
+                found.append(Recommendation(strategy, memory, step_time(model, strategy, gpu)))
+                micro_batch *= 2
     # where a micro-batch fits with a checkpointing mode but not without: that mode on only as
     # many blocks as it needs
     for r in list(found):
