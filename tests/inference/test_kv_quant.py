@@ -13,6 +13,7 @@ import torch
 from memfit.inference import LLM, PagedKVCache, SamplingParams, generate_paged
 from memfit.models import PRESETS, build_model
 from memfit.ops._triton import triton_on_cpu
+from memfit.ops.paged_write import rotation_scales
 
 CONFIG = PRESETS["tiny"]
 
@@ -73,8 +74,12 @@ def test_calibration_sets_the_mean_key_and_power_of_two_scales(model):
     )
     cache.calibrate(model, rows)
     torch.testing.assert_close(cache.key_offset, keys.mean(1))
+    # the keys are stored rotated (less their mean): the scales are the rotated keys'
+    rotation, dim = cache.key_rotation, CONFIG.head_dim
+    assert rotation.abs().eq(1).all() and torch.equal(rotation @ rotation.T, dim * torch.eye(dim))
+    rotated = (keys - keys.mean(1, keepdim=True)) @ rotation * rotation_scales(dim)[1]
     for scale, x in (
-        (cache.key_scale, keys - keys.mean(1, keepdim=True)),
+        (cache.key_scale, rotated),
         (cache.value_scale, values),
     ):
         assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two

@@ -155,3 +155,78 @@ def test_int8_pools_need_fp16_scale_pools():
             qkv, cos, sin, *pools, slots, heads_q=4, key_offset=torch.zeros(2, 32),
             k_scale=torch.ones(2), v_scale=torch.ones(2),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads_q,heads_kv,head_dim", [(1, 8, 2, 64), (19, 6, 3, 32)])
+def test_rotated_keys_and_queries_match_the_plain_path(
+    tokens, heads_q, heads_kv, head_dim, dtype, kind, device
+):
+    # key_rotation H (+-1): q H a returned and (k - offset) H b quantized, as PagedKVCache's
+    # plain path does it; exact products summed in fp32 in another order, so q within an ulp
+    # and the stored keys equal but for the rare element at a rounding boundary, a level off
+    from memfit.inference.paged_cache import key_rotation
+    from memfit.ops.paged_write import rotation_scales
+
+    qkv, cos, sin, slots, _ = _case(tokens, heads_q, heads_kv, head_dim, dtype, device)
+    generator = torch.Generator().manual_seed(1)
+    offset = torch.randn(heads_kv, head_dim, generator=generator).to(device)
+    rotation = key_rotation(head_dim).to(device)
+    a, b = rotation_scales(head_dim)
+    assert a * b == 1 / head_dim
+    one_byte = torch.float8_e4m3fn if kind == "fp8" else torch.int8
+    pools = [torch.zeros(40, 16, heads_kv, head_dim, dtype=one_byte, device=device) for _ in "kv"]
+    if kind == "fp8":
+        scales = [torch.full((heads_kv,), 2.0**-5, device=device) for _ in "kv"]
+    else:
+        scales = [torch.ones(40, 16, heads_kv, dtype=torch.float16, device=device) for _ in "kv"]
+    q_ref, k_ref, _ = _reference(
+        qkv, cos, sin, slots, [torch.zeros(p.shape, dtype=dtype, device=device) for p in pools],
+        heads_q, heads_kv, head_dim,
+    )  # fmt: skip
+    with triton_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        q = rotary_paged_write(
+            qkv, cos, sin, *pools, slots, heads_q=heads_q, key_offset=offset, k_scale=scales[0],
+            v_scale=scales[1], key_rotation=rotation,
+        )  # fmt: skip
+    want_q = (q_ref.float() @ rotation * a).to(dtype)
+    # (fp32: sums in another order, a few ulps of the sum of |terms|; bf16: then an ulp)
+    terms = q_ref.float().abs() @ rotation.abs() * a
+    bound = terms * 2**-20 + want_q.float().abs() * (2**-7 if dtype == torch.bfloat16 else 0)
+    assert ((q.float() - want_q.float()).abs() <= bound).all()
+    if dtype == torch.bfloat16:
+        assert (q == want_q).float().mean() > 0.98
+    meant = (k_ref.float().view(-1, heads_kv, head_dim)[slots] - offset).to(dtype).float()
+    meant = meant @ rotation * b
+    stored = pools[0].view(-1, heads_kv, head_dim)[slots].float()
+    if kind == "fp8":
+        want = (meant / scales[0][:, None]).to(torch.float8_e4m3fn).float()
+        level = want.abs().clamp(min=2**-6) * 2**-3  # e4m3: 3 mantissa bits
+    else:
+        scale = scales[0].view(-1, heads_kv)[slots].float()[..., None]
+        torch.testing.assert_close(
+            scale, (meant.abs().amax(-1, keepdim=True) / 127).half().float(), rtol=2**-10, atol=0
+        )
+        want, level = (meant / scale).round(), torch.ones_like(meant)
+    assert ((stored - want).abs() <= level * 1.001).all()
+    assert (stored == want).float().mean() > 0.98
+    # and a query's scores are those of the unrotated q and k - offset
+    group = heads_q // heads_kv
+    unrotated = k_ref.float().view(-1, heads_kv, head_dim)[slots] - offset
+    want_scores = (q_ref.float() * unrotated.repeat_interleave(group, 1)).sum(-1)
+    scores = (q.float() * meant.repeat_interleave(group, 1)).sum(-1)
+    torch.testing.assert_close(scores, want_scores, rtol=0.02, atol=0.02 * head_dim**0.5)
+
+
+def test_a_rotation_needs_quantized_pools_and_its_shape():
+    qkv, cos, sin, slots, pools = _case(3, 4, 2, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="key_rotation is for quantized"):
+        rotary_paged_write(qkv, cos, sin, *pools, slots, heads_q=4, key_rotation=torch.eye(32))
+    fp8 = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]
+    with pytest.raises(ValueError, match=r"key_rotation must be \(32, 32\)"):
+        rotary_paged_write(
+            qkv, cos, sin, *fp8, slots, heads_q=4, key_offset=torch.zeros(2, 32),
+            k_scale=torch.ones(2), v_scale=torch.ones(2), key_rotation=torch.eye(16),
+        )  # fmt: skip

@@ -10,7 +10,10 @@ and v's to `slots[token]` of their pools.
 
 Numerics: the rotation is `memfit.ops.rotary`'s, term for term (x1 * c1 - x2 * s1 in the tables'
 dtype, no FMA contraction, one rounding), so the result equals apply_rotary_qk's bit for bit and
-a model gives the same tokens with either path. v passes through unchanged.
+a model gives the same tokens with either path. v passes through unchanged. A quantized
+cache's pools also take q and k rotated by a +-1 Hadamard matrix (`key_rotation`), as four
+(HALF x HALF) tensor-core products of the halves the program holds: exact products summed in
+fp32, so the plain path's product equals it up to the order of the sums.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from memfit.ops._triton import (
     triton,
 )
 
-__all__ = ["rotary_paged_write"]
+__all__ = ["rotary_paged_write", "rotation_scales"]
 
 QUANTIZED = (torch.float8_e4m3fn, torch.int8)  # the pools' one-byte kinds
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
@@ -49,6 +52,7 @@ def _rotary_paged_write_kernel(
     k_offset_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    rotation_ptr,
     num_tokens,
     heads_q,
     heads_kv,
@@ -68,13 +72,18 @@ def _rotary_paged_write_kernel(
     ROUND_FP8_BY_HAND: tl.constexpr,
     QUANT: tl.constexpr,
     INT8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    Q_ROTATED_SCALE: tl.constexpr,
+    K_ROTATED_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (token block, head block): head blocks [0, q) are q's, [q, q + kv) k's, the rest
     v's. qkv: (tokens, (heads_q + 2 heads_kv) * 2 HALF), rows q | k | v; tables (tokens, 2 HALF).
     QUANT: fp8 pools, k_scale_ptr and v_scale_ptr the inverse scales (heads_kv,); INT8: int8
     pools, those pointers the per-token scale pools (slots, heads_kv) this kernel writes.
-    PDL: launched early, it waits for the kernel before before it reads."""
+    ROTATE: after RoPE, q and k less its offset (each in the compute dtype) times the
+    (2 HALF, 2 HALF) +-1 matrix H at rotation_ptr, then by Q_ROTATED_SCALE and K_ROTATED_SCALE
+    (`rotation_scales`). PDL: launched early, it waits for the kernel before before it reads."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -115,6 +124,13 @@ def _rotary_paged_write_kernel(
 
     slots = tl.load(slots_ptr + tokens, mask=token_ok, other=0)
     if is_q:
+        if ROTATE:  # (from q as the plain path holds it: in the compute dtype)
+            out1, out2 = _rotate(
+                out1, out2, rotation_ptr, Q_ROTATED_SCALE, q_out_ptr.dtype.element_ty, HALF,
+                BLOCK_TOKENS, BLOCK_HEADS, BLOCK_HALF, ROUND_FP8_BY_HAND,
+            )  # fmt: skip
+            if ROUND_BF16_BY_HAND:
+                out1, out2 = round_to_bf16(out1), round_to_bf16(out2)
         rows = (tokens * heads_q)[:, None, None] + heads[None, :, None]
         q_offsets = rows * (2 * HALF) + dims[None, None, :]
         tl.store(q_out_ptr + q_offsets, out1.to(q_out_ptr.dtype.element_ty), mask=mask)
@@ -140,6 +156,14 @@ def _rotary_paged_write_kernel(
             compute = q_out_ptr.dtype.element_ty
             kv1 = kv1.to(compute).to(tl.float32) - off1
             kv2 = kv2.to(compute).to(tl.float32) - off2
+            if ROTATE:
+                if not is_v:
+                    if ROUND_BF16_BY_HAND:  # (the products take k - offset in bf16)
+                        kv1, kv2 = round_to_bf16(kv1), round_to_bf16(kv2)
+                    kv1, kv2 = _rotate(
+                        kv1, kv2, rotation_ptr, K_ROTATED_SCALE, compute, HALF, BLOCK_TOKENS,
+                        BLOCK_HEADS, BLOCK_HALF, ROUND_FP8_BY_HAND,
+                    )  # fmt: skip
             scale_ptr = tl.where(is_v, v_scale_ptr, k_scale_ptr)
             if INT8:  # each (token, head): its largest |value| goes to 127, the scale in fp16
                 amax = tl.maximum(tl.max(tl.abs(kv1), 2), tl.max(tl.abs(kv2), 2))
@@ -164,6 +188,51 @@ def _rotary_paged_write_kernel(
         tl.store(pool_ptr + pool_offsets + HALF, kv2.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rotate(
+    x1, x2, rotation_ptr, SCALE: tl.constexpr, dtype: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """[x1 | x2] H * SCALE for the (2 HALF, 2 HALF) row-major +-1 matrix H at rotation_ptr, by
+    its four (HALF, HALF) quarters; x1, x2 (BLOCK_TOKENS, BLOCK_HEADS, BLOCK_HALF) fp32, zeros
+    past HALF, rounded to `dtype` (the compute dtype: exact for q, which is held in it) for the
+    products, which are exact (H is +-1), summed in fp32 (tensor cores for bf16 and fp16) and
+    scaled by the power of two SCALE: fp32 (BLOCK_TOKENS, BLOCK_HEADS, BLOCK_HALF) each.
+    INTERPRET: the products in fp32 (the same sums), from x already rounded to bf16 by hand
+    (the interpreter's bf16 is no number type for its dot, and its cast truncates)."""
+    r = tl.arange(0, BLOCK_HALF)
+    ok = (r < HALF)[:, None] & (r < HALF)[None, :]
+    top = rotation_ptr + r[:, None] * (2 * HALF) + r[None, :]
+    bottom = top + HALF * (2 * HALF)
+    rows: tl.constexpr = BLOCK_TOKENS * BLOCK_HEADS
+    if INTERPRET:
+        dot_dtype: tl.constexpr = tl.float32
+    else:
+        dot_dtype: tl.constexpr = dtype
+    a = tl.reshape(x1, (rows, BLOCK_HALF))
+    b = tl.reshape(x2, (rows, BLOCK_HALF))
+    if dtype != tl.bfloat16 or not INTERPRET:
+        a, b = a.to(dtype), b.to(dtype)
+    a, b = a.to(dot_dtype), b.to(dot_dtype)
+    h11 = tl.load(top, mask=ok, other=0.0).to(dot_dtype)
+    h12 = tl.load(top + HALF, mask=ok, other=0.0).to(dot_dtype)
+    h21 = tl.load(bottom, mask=ok, other=0.0).to(dot_dtype)
+    h22 = tl.load(bottom + HALF, mask=ok, other=0.0).to(dot_dtype)
+    y1 = tl.dot(b, h21, tl.dot(a, h11, input_precision="ieee"), input_precision="ieee")
+    y2 = tl.dot(b, h22, tl.dot(a, h12, input_precision="ieee"), input_precision="ieee")
+    shape: tl.constexpr = (BLOCK_TOKENS, BLOCK_HEADS, BLOCK_HALF)
+    return tl.reshape(y1 * SCALE, shape), tl.reshape(y2 * SCALE, shape)
+
+
+def rotation_scales(head_dim: int) -> tuple[float, float]:
+    """The powers of two that q H and (k - offset) H are scaled by under a +-1 rotation H
+    (H H^T = head_dim I): their product is 1 / head_dim, so the scores are unchanged, and each
+    is about 1 / sqrt(head_dim), so both keep about their magnitude."""
+    bits = head_dim.bit_length() - 1
+    return 2.0 ** -(bits // 2), 2.0 ** -(bits - bits // 2)
+
+
 def rotary_paged_write(
     qkv: Tensor,
     cos: Tensor,
@@ -176,6 +245,7 @@ def rotary_paged_write(
     key_offset: Tensor | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    key_rotation: Tensor | None = None,
 ) -> Tensor:
     """Rotate q and k of `qkv` by the tables, write k and v to `slots` of the pools, return q.
 
@@ -192,6 +262,13 @@ def rotary_paged_write(
     - int8: k_scale and v_scale are the pools' per-token scales (num_blocks, block_size,
       heads_kv) fp16, written here: each token and head's largest |value| over head_dim / 127
       (rounded to fp16), the values rounded to nearest (ties away from 0) within +-127.
+    key_rotation, with quantized pools: a (head_dim, head_dim) fp32 matrix H of +-1 with
+    H H^T = head_dim I (a Hadamard matrix, `PagedKVCache`'s), head_dim a power of two >= 32.
+    After RoPE, q (in qkv's dtype) becomes q H * a and k - key_offset (rounded to qkv's dtype)
+    (k - key_offset) H * b before it is scaled and rounded, a * b = 1 / head_dim
+    (`rotation_scales`): q . k is unchanged, and each element of a stored key mixes every
+    channel with the same weight, so a few outlier channels no longer carry most of a score
+    and its rounding error.
     """
     tokens, width = qkv.shape
     _, _, heads_kv, head_dim = key_pool.shape
@@ -229,6 +306,20 @@ def rotary_paged_write(
         extras = (key_offset, k_scale, v_scale) if int8 else (key_offset, 1 / k_scale, 1 / v_scale)
     else:
         extras = (cos, cos, cos)  # (not read)
+    if key_rotation is not None:
+        if not quant:
+            raise ValueError("key_rotation is for quantized (float8_e4m3fn or int8) pools")
+        if (
+            key_rotation.shape != (head_dim, head_dim)
+            or key_rotation.dtype != torch.float32
+            or not key_rotation.is_contiguous()
+            or head_dim < 32
+            or head_dim & (head_dim - 1)
+        ):
+            raise ValueError(
+                f"key_rotation must be ({head_dim}, {head_dim}) contiguous float32, head_dim a "
+                f"power of two >= 32, got {tuple(key_rotation.shape)} {key_rotation.dtype}"
+            )
     if qkv.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
         raise ValueError("rotary_paged_write needs head_dim contiguous in qkv and the pools")
     if cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
@@ -245,6 +336,10 @@ def rotary_paged_write(
     block_tokens = min(
         triton.next_power_of_2(tokens), max(1, _BLOCK_ELEMENTS // (block_heads * block_half))
     )
+    rotated = rotation_scales(head_dim)
+    if key_rotation is not None:  # (tl.dot takes tiles of at least 16 rows and columns)
+        block_half = max(block_half, 16)
+        block_heads = max(block_heads, 16 // block_tokens)
     num_warps = min(4, max(1, block_tokens * block_heads * block_half // 512))
     q_blocks, kv_blocks = triton.cdiv(heads_q, block_heads), triton.cdiv(heads_kv, block_heads)
     grid = (triton.cdiv(tokens, block_tokens), q_blocks + 2 * kv_blocks)
@@ -253,11 +348,13 @@ def rotary_paged_write(
         raise ValueError("rotary_paged_write needs contiguous pools (one layer's, as allocated)")
     launch(
         _rotary_paged_write_kernel, grid, qkv.device,
-        qkv, cos, sin, slots, q, key_pool, value_pool, *extras, tokens, heads_q, heads_kv, q_blocks,
+        qkv, cos, sin, slots, q, key_pool, value_pool, *extras,
+        key_rotation if key_rotation is not None else cos, tokens, heads_q, heads_kv, q_blocks,
         kv_blocks, qkv.stride(0), cos.stride(0), heads_kv * head_dim, head_dim,
         heads_kv * head_dim, head_dim,
         HALF=half, BLOCK_TOKENS=block_tokens, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
         ROUND_BF16_BY_HAND=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16, QUANT=quant,
-        INT8=int8, ROUND_FP8_BY_HAND=qkv.device.type == "cpu", PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
+        INT8=int8, ROTATE=key_rotation is not None, Q_ROTATED_SCALE=rotated[0],
+        K_ROTATED_SCALE=rotated[1], ROUND_FP8_BY_HAND=qkv.device.type == "cpu", PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q
