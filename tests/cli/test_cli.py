@@ -157,7 +157,7 @@ def test_plan_recommend_on_several_gpus_ranks_zero_stages(capsys):
     launches N processes with the stage it chose."""
     assert main(["plan", "--model", "llama-1b", "--recommend", "--gpus", "4"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # (rich wraps the table and lines)
-    assert "on 4 x" in out and "x 4 GPUs" in out
+    assert "llama-1b on 4 x h100-sxm" in out
     assert "run the first: torchrun --nproc_per_node 4 -m memfit train --model llama-1b" in out
     assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--zero", "3", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
@@ -239,3 +239,33 @@ def test_serve_with_two_http_processes_answers_and_stops_on_ctrl_c(tmp_path):
     text = " ".join(log.read_text().split())  # (rich wraps the log's lines)
     assert "2 HTTP processes" in text and text.count("Finished server process") == 2
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("world_size", ["1", "4"])
+def test_train_auto_under_torchrun_plans_for_every_gpu(monkeypatch, world_size):
+    """--auto on each rank of a torchrun launch of N processes: the planner's fastest strategy
+    on N GPUs, its ZeRO stage and offload set in [distributed], a step of all the ranks
+    keeping the configuration's tokens."""
+    from rich.console import Console
+
+    from memfit.cli.train import choose_strategy
+    from memfit.config import build_config
+    from memfit.models import PRESETS
+    from memfit.planner import GPUS
+    from memfit.planner.search import rank_strategies
+
+    monkeypatch.setattr("memfit.planner.detect_gpu", lambda: GPUS["h100-sxm"])
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    gpus = int(world_size)
+    flags = {"model": {"name": "llama-1b"}, "train": {"micro_batch": 8, "grad_accum": 4}}
+    config = build_config(flags=flags)
+    chosen = choose_strategy(config, Console(record=True, width=200))
+    tokens = 8 * 4 * config.data.seq_len * gpus
+    best = rank_strategies(
+        PRESETS["llama-1b"], GPUS["h100-sxm"], seq_len=config.data.seq_len, gpus=gpus,
+        tokens_per_step=tokens,
+    )[0].strategy  # fmt: skip
+    assert (chosen.distributed.zero, chosen.distributed.offload) == (best.zero, best.offload)
+    train = chosen.train
+    assert (train.micro_batch, train.grad_accum) == (best.micro_batch, best.grad_accum)
+    assert train.micro_batch * train.grad_accum * gpus * config.data.seq_len == tokens

@@ -91,11 +91,12 @@ def test_the_recommender_reaches_for_the_lean_forms_only_where_adamw_does_not_fi
     from memfit.planner import get_gpu, rank_strategies
 
     h100 = get_gpu("h100-sxm")
-    small = rank_strategies(PRESETS["llama-1b"], h100)
+    host = 16 * 2**30  # (too little host memory to offload an 8B model's state)
+    small = rank_strategies(PRESETS["llama-1b"], h100, host_memory=host)
     assert small and all(r.strategy.optimizer == "adamw" for r in small)
     # llama-3-8b: fp32 AdamW states and master weights alone take 96 GiB; 8-bit states with
     # bf16 weights fit one H100 (the full fine-tuning without offload)
-    big = rank_strategies(PRESETS["llama-3-8b"], h100)
+    big = rank_strategies(PRESETS["llama-3-8b"], h100, host_memory=host)
     assert big
     assert all(
         (r.strategy.optimizer, r.strategy.master_weights) == ("adamw8bit", "none") for r in big
@@ -112,16 +113,20 @@ def test_recommend_prints_the_command_that_runs_its_first_strategy():
     from memfit.models.config import PRESETS
     from memfit.planner import get_gpu, rank_strategies
 
-    best = rank_strategies(PRESETS["llama-3-8b"], get_gpu("h100-sxm"))[0].strategy
-    argv = shlex.split(train_command("llama-3-8b", best))
-    assert argv[:2] == ["memfit", "train"]
-    config = _run_config(build_parser().parse_args(argv[1:]))
-    train = config.train
-    assert (train.optimizer, train.master_weights) == (best.optimizer, best.master_weights)
-    assert (train.micro_batch, train.grad_accum, train.checkpointing) == (
-        best.micro_batch, best.grad_accum, best.checkpointing
-    )  # fmt: skip
-    assert config.data.seq_len == best.seq_len and config.model.name == "llama-3-8b"
+    for host in (16 * 2**30, 2**40):  # 8-bit AdamW on the GPU; AdamW with its state offloaded
+        best = rank_strategies(PRESETS["llama-3-8b"], get_gpu("h100-sxm"), host_memory=host)
+        best = best[0].strategy
+        argv = shlex.split(train_command("llama-3-8b", best))
+        assert argv[:2] == ["memfit", "train"]
+        config = _run_config(build_parser().parse_args(argv[1:]))
+        train = config.train
+        assert (train.optimizer, train.master_weights) == (best.optimizer, best.master_weights)
+        assert (train.micro_batch, train.grad_accum, train.checkpointing) == (
+            best.micro_batch, best.grad_accum, best.checkpointing
+        )  # fmt: skip
+        assert (config.distributed.zero, config.distributed.offload) == (best.zero, best.offload)
+        assert config.data.seq_len == best.seq_len and config.model.name == "llama-3-8b"
+    assert best.offload != "none"
 
 
 def test_adamw8bit_keeps_the_embedding_in_32_bit_states(tmp_path):

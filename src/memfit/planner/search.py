@@ -7,8 +7,9 @@ also the parameters offloaded to CPU memory: every pair `check_parallelism` acce
 optimizer and GPU count; on one GPU, none, optimizer offload and stage 3 with parameter
 offload), activation checkpointing none / selective / full, each also with activation offload,
 and where a micro-batch fits with checkpointing but not without, checkpointing of only as many
-blocks as it needs to fit (the fewest: the least recompute), micro-batch 1, 2, 4, ... 64, with
-gradient accumulation so that a step of all the GPUs holds about `tokens_per_step` tokens.
+blocks as it needs to fit (the fewest: the least recompute), micro-batch 1, 2, 4, ... 64 (none
+larger than a step's tokens), with gradient accumulation so that a step of all the GPUs holds
+about `tokens_per_step` tokens.
 The optimizer asked for is searched first; only where nothing fits with it do the memory-lean
 optimizers follow, in order (8-bit AdamW, the same without fp32 master weights, Adafactor, SM3),
 since they train differently and are not to be traded for speed alone.
@@ -181,7 +182,10 @@ def _search(
             continue  # (bf16 weights without masters: one process, nothing sharded)
         for checkpointing, offload_activations in [*modes, ("full", False), ("full", True)]:
             micro_batch = 1
-            while micro_batch <= 64:
+            # (a micro-batch past the step's tokens would train on more than were asked for)
+            while micro_batch <= 64 and (
+                micro_batch == 1 or micro_batch * seq_len * gpus <= tokens_per_step
+            ):
                 grad_accum = max(1, tokens_per_step // (micro_batch * seq_len * gpus))
                 strategy = Strategy(
                     precision="bf16",
