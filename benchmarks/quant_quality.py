@@ -74,13 +74,17 @@ def perplexity(model: torch.nn.Module, ids: list[int], window: int, kv_dtype=Fal
 
 
 @torch.no_grad()
-def kv_divergence(model: torch.nn.Module, ids: list[int], window: int, kv_dtype: str) -> float:
-    """The mean KL divergence, over the scored positions, of the next-token distribution with a
-    `kv_dtype` cache from the one with a full-precision cache: how far the cache moves the
-    model, a steadier measure than the perplexity difference, whose sign and size at +-0.5%
-    follow how single roundings fall on the few tokens the model gets nearly right or wrong."""
+def kv_quality(
+    model: torch.nn.Module, ids: list[int], window: int, kv_dtype: str
+) -> tuple[float, float, float]:
+    """(perplexity with a `kv_dtype` cache, its difference from the full-precision cache's (the
+    same logits path), the mean KL divergence over the scored positions of
+    its next-token distribution from the one with a full-precision cache): how far the cache
+    moves the model, a steadier measure than the perplexity difference, whose sign and size at
+    +-0.5% follow how single roundings fall on the few tokens the model gets nearly right or
+    wrong."""
     rows = torch.tensor(ids[: len(ids) // window * window]).view(-1, window)
-    total = 0.0
+    total = nll = nll_full = 0.0
     for row in rows:
         logprobs = []
         for kind in (None, kv_dtype):
@@ -90,7 +94,10 @@ def kv_divergence(model: torch.nn.Module, ids: list[int], window: int, kv_dtype:
             logprobs.append(torch.log_softmax(logits, -1))
         full, quantized = logprobs
         total += (full.exp() * (full - quantized)).sum().item()
-    return total / (rows.shape[0] * (window - 1))
+        nll -= quantized.gather(-1, row[1:, None]).sum().item()
+        nll_full -= full.gather(-1, row[1:, None]).sum().item()
+    scored = rows.shape[0] * (window - 1)
+    return math.exp(nll / scored), math.exp((nll - nll_full) / scored) - 1, total / scored
 
 
 _CALIBRATED: dict = {}
@@ -234,9 +241,8 @@ def main() -> None:
         reference = _greedy(model, prompts, args.agreement_tokens, None)
         for kind in args.kv:
             start = time.perf_counter()
-            ppl = perplexity(model, ids, args.window, kv_dtype=kind)
-            row = {"kv": kind, "perplexity": ppl, "vs_full": ppl / full - 1,
-                   "kl_from_full": kv_divergence(model, ids, args.window, kind),
+            ppl, vs_full, kl = kv_quality(model, ids, args.window, kind)
+            row = {"kv": kind, "perplexity": ppl, "vs_full": vs_full, "kl_from_full": kl,
                    "seconds": time.perf_counter() - start}  # fmt: skip
             row |= agreement(reference, _greedy(model, prompts, args.agreement_tokens, kind))
             run["kv"].append(row)

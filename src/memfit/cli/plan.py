@@ -152,7 +152,7 @@ def run_rank_strategies(
         )
         return rc
     if fitting:
-        console.print(_goals_table(model, gpu, args.seq_len, found))
+        console.print(_goals_table(model, gpu, args.gpus, args.seq_len, found))
     if not found[asked]:
         others = [goal for goal, recommendations in found.items() if recommendations]
         instead = (
@@ -198,13 +198,12 @@ def run_rank_strategies(
 
 
 def _goals_table(
-    model: ModelConfig, gpu: GPU, seq_len: int, found: dict[str, list[Recommendation]]
+    model: ModelConfig, gpu: GPU, gpus: int, seq_len: int, found: dict[str, list[Recommendation]]
 ) -> Table:
     """Each goal's fastest strategies (3 a goal where there are several goals) and, when these
     all put activations in pinned host memory, the fastest that does not; a row saying so for a
     goal that nothing fits."""
     per_goal = 5 if len(found) == 1 else 3
-    gpus = next((r.strategy.world_size for rs in found.values() for r in rs), 1)
     on = gpu.name if gpus == 1 else f"{gpus} x {gpu.name}"
     table = Table(
         title=f"memfit plan --recommend: {escape(model.name)} on {on} "

@@ -127,7 +127,7 @@ def _rotary_paged_write_kernel(
         if ROTATE:  # (from q as the plain path holds it: in the compute dtype)
             out1, out2 = _rotate(
                 out1, out2, rotation_ptr, Q_ROTATED_SCALE, q_out_ptr.dtype.element_ty, HALF,
-                BLOCK_TOKENS, BLOCK_HEADS, BLOCK_HALF, ROUND_FP8_BY_HAND,
+                BLOCK_TOKENS, BLOCK_HEADS, BLOCK_HALF, ROUND_FP8_BY_HAND,  # (the interpreter)
             )  # fmt: skip
             if ROUND_BF16_BY_HAND:
                 out1, out2 = round_to_bf16(out1), round_to_bf16(out2)

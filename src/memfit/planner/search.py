@@ -177,9 +177,7 @@ def _search(
     # one without it ranks first)
     modes = [("none", False), ("none", True), ("selective", False), ("selective", True)]
     fields = {"master_weights": master_weights, **fine_tuning}
-    for zero, offload in layouts(gpus, optimizer, **fields):
-        if master_weights == "none" and (zero or offload != "none" or gpus > 1):
-            continue  # (bf16 weights without masters: one process, nothing sharded)
+    for zero, offload in layouts(gpus, optimizer, **fields):  # (masters "none": one layout)
         for checkpointing, offload_activations in [*modes, ("full", False), ("full", True)]:
             micro_batch = 1
             # (a micro-batch past the step's tokens would train on more than were asked for)
