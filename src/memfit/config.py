@@ -171,7 +171,10 @@ class TrainSection(_Section):
     grad_accum: int = 1
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 on a GPU that has it, else fp32."""
-    checkpointing: Literal["none", "full", "selective"] = "none"
+    checkpointing: Literal["none", "full", "selective", "auto"] = "none"
+    """auto: the planner's choice for the GPU the run starts on (the fastest predicted that fits
+    its memory: none, or selective or full on every block or on as few blocks as it takes);
+    none without a GPU of the planner's catalog."""
     checkpoint_blocks: int | None = None
     """With checkpointing full or selective: how many blocks, the first ones, are checkpointed;
     the others keep their activations (less recompute, more memory). None: every block."""
@@ -216,6 +219,11 @@ class TrainSection(_Section):
         check_between("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
         if self.checkpoint_blocks is not None:
             check_at_least("train.checkpoint_blocks", self.checkpoint_blocks, 0)
+            if self.checkpointing == "auto":
+                raise ValueError(
+                    f"train.checkpoint_blocks = {self.checkpoint_blocks} with checkpointing auto: "
+                    "auto chooses the blocks; drop one of them"
+                )
             if self.checkpointing == "none":
                 raise ValueError(
                     f"train.checkpoint_blocks = {self.checkpoint_blocks} says how many blocks "

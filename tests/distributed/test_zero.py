@@ -211,3 +211,32 @@ def test_stage_0_trains_bf16_parameters():
     for got, expected in zip(model.parameters(), reference_model.parameters(), strict=True):
         assert got.dtype == expected.dtype
         torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_hooks_do_not_keep_the_optimizer_alive():
+    """The post-accumulate-grad hooks ZeRO registers on the parameters hold their optimizer
+    weakly: a parameter keeps its hooks in C++, out of the garbage collector's sight, so a strong
+    reference kept a freed trainer's flat buffers allocated (on CUDA, 3.4 GiB for a 0.9B model
+    under optimizer offload) for the rest of the process."""
+    import gc
+    import weakref
+
+    from memfit.distributed.buckets import grad_hook_of
+
+    class Owner:
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def on_grad(self, param: torch.Tensor) -> None:
+            self.seen.append(param)
+
+    owner = Owner()
+    param = torch.nn.Parameter(torch.ones(3))
+    param.register_post_accumulate_grad_hook(grad_hook_of(owner.on_grad))
+    param.sum().backward()
+    assert owner.seen == [param]
+    alive = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert alive() is None
+    param.sum().backward()  # (the hook outlives its owner and does nothing)

@@ -81,6 +81,44 @@ def test_recommend_checkpoints_only_the_blocks_a_micro_batch_needs():
         assert f"--checkpoint-blocks {k}" in train_command("llama-3-8b", r.strategy)
 
 
+def test_checkpointing_auto_takes_the_fastest_that_fits():
+    """--checkpointing auto: none where it fits; where it does not, the mode and the fewest
+    blocks that fit the budget, faster than full checkpointing of every block; full where
+    nothing fits (the engine's preflight then speaks)."""
+    from dataclasses import replace
+
+    from memfit.planner import plan
+    from memfit.planner.search import SAFETY_MARGIN, choose_checkpointing
+
+    model, gpu = PRESETS["llama-1b"], GPUS["h100-sxm"]
+    budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
+    roomy, why = choose_checkpointing(model, Strategy(micro_batch=4, seq_len=2048), gpu)
+    assert (roomy.checkpointing, roomy.checkpoint_blocks) == ("none", None)
+    assert "fits without" in why
+
+    tight = Strategy(micro_batch=16, seq_len=4096)
+    assert plan(model, tight, gpu).required_bytes > budget
+    chosen, why = choose_checkpointing(model, tight, gpu)
+    k = chosen.checkpoint_blocks
+    assert chosen.checkpointing in ("selective", "full") and 0 < k < model.num_layers
+    assert plan(model, chosen, gpu).required_bytes <= budget
+    assert plan(model, replace(chosen, checkpoint_blocks=k - 1), gpu).required_bytes > budget
+    full = replace(tight, checkpointing="full")
+    assert step_time(model, chosen, gpu).total_s < step_time(model, full, gpu).total_s
+    assert f"first {k} of {model.num_layers} blocks" in why and "faster than full" in why
+    # (the other fields are kept)
+    assert replace(chosen, checkpointing="none", checkpoint_blocks=None) == tight
+    # a budget of its own: less memory, more blocks (or the heavier mode)
+    smaller, _ = choose_checkpointing(
+        model, tight, gpu, budget=plan(model, chosen, gpu).required_bytes - 2**30
+    )
+    assert step_time(model, smaller, gpu).total_s > step_time(model, chosen, gpu).total_s
+
+    huge, why = choose_checkpointing(PRESETS["llama-3-8b"], Strategy(micro_batch=8), gpu)
+    assert (huge.checkpointing, huge.checkpoint_blocks) == ("full", None)
+    assert "nothing fits" in why
+
+
 def test_recommend_refuses_what_the_engine_cannot_run():
     roomy, small = 512 * 2**30, 16 * 2**30  # host memory: offload pins at most half of it
     assert rank_strategies(PRESETS["llama-3-70b"], GPUS["h100-sxm"], host_memory=roomy) == []

@@ -142,6 +142,19 @@ def test_checkpoint_blocks_is_checked_against_the_model_and_the_mode(tmp_path):
         make_trainer(tmp_path, checkpointing="full", checkpoint_blocks=-1)
 
 
+def test_checkpointing_auto_without_a_planned_gpu_is_none(tmp_path, caplog):
+    """--checkpointing auto plans for the GPU the run starts on; on the CPU there is none to plan
+    for: no checkpointing, said so, and the run's configuration records what it ran."""
+    with caplog.at_level("INFO", logger="memfit"):
+        trainer = make_trainer(tmp_path, checkpointing="auto")
+    assert trainer.config.train.checkpointing == "none"
+    assert trainer.config.train.checkpoint_blocks is None
+    assert "checkpointing auto: no checkpointing: no GPU of the planner's catalog" in caplog.text
+    trainer.train_step()
+    with pytest.raises(ValueError, match=r"with checkpointing auto: auto chooses the blocks"):
+        make_trainer(tmp_path, "b", checkpointing="auto", checkpoint_blocks=2)
+
+
 def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path):
     straight = make_trainer(tmp_path, "straight", steps=8)
     expected = [straight.train_step().loss for _ in range(8)]

@@ -191,3 +191,49 @@ def test_lora_learns_on_cuda_with_a_frozen_bf16_base(tmp_path, checkpointing, qu
     stateful = {id(p) for p, s in trainer.optimizer.state.items() if s}
     adapters = {id(p) for n, p in trainer.model.named_parameters() if ".lora_" in n}
     assert stateful == adapters
+
+
+def test_checkpointing_auto_fits_a_budget_between_none_and_full(tmp_path, monkeypatch):
+    """--checkpointing auto on a GPU whose memory (as the planner is told) lies between what the
+    run needs without checkpointing and with full: it checkpoints some of the blocks, and the
+    run's measured peak is below the same run's without checkpointing."""
+    import dataclasses
+
+    import memfit.planner
+    from memfit.planner import detect_gpu, plan
+    from memfit.planner.search import SAFETY_MARGIN
+
+    gpu = detect_gpu()
+    if gpu is None:
+        pytest.skip("a GPU outside the planner's catalog")
+    shape = {"seq_len": 512, "micro_batch": 32, "precision": "bf16"}
+    plain = cuda_trainer(tmp_path / "none", **shape)
+    model, strategy = plain.model_config, plain.strategy()
+    none = plan(model, strategy, gpu).required_bytes
+    full = plan(model, dataclasses.replace(strategy, checkpointing="full"), gpu).required_bytes
+    budget = (none + full) / 2 / (1 - SAFETY_MARGIN)
+    peaks = {"none": _peak_of_steps(plain)}
+    del plain
+    monkeypatch.setattr(
+        memfit.planner, "detect_gpu", lambda: dataclasses.replace(gpu, memory_bytes=int(budget))
+    )
+    auto = cuda_trainer(tmp_path / "auto", checkpointing="auto", **shape)
+    train = auto.config.train
+    assert train.checkpointing in ("selective", "full"), train
+    assert train.checkpoint_blocks is not None, train
+    assert 0 < train.checkpoint_blocks < model.num_layers
+    peaks["auto"] = _peak_of_steps(auto)
+    assert peaks["auto"] < peaks["none"], peaks
+
+
+def _peak_of_steps(trainer, steps: int = 3) -> int:
+    """torch.cuda.max_memory_allocated over `steps` steps of `trainer` (after its first, which
+    makes the optimizer's states)."""
+    import gc
+
+    trainer.train_step()
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        trainer.train_step()
+    return torch.cuda.max_memory_allocated()

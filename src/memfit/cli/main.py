@@ -78,7 +78,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument(
-        "--checkpointing", choices=["none", "full", "selective"], help="activation checkpointing"
+        "--checkpointing",
+        choices=["none", "full", "selective", "auto"],
+        help="activation checkpointing (auto: the planner's fastest that fits the GPU's memory, "
+        "on as few blocks as it takes)",
     )
     p.add_argument(
         "--checkpoint-blocks",

@@ -34,7 +34,7 @@ from memfit.planner import (
     what_would_fit,
 )
 from memfit.planner.memory import LORA_TARGETS, fine_tuning_fields, gib, teacher_model
-from memfit.planner.search import LORA_RANK, rank_goals
+from memfit.planner.search import LORA_RANK, choose_checkpointing, rank_goals
 from memfit.planner.serve import ServePlan, plan_serve, serve_fixes
 from memfit.planner.time import model_flops_per_token
 
@@ -303,12 +303,17 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.recommend:
         return run_rank_strategies(args, console, model, fields)
     gpu = get_gpu(args.gpu)
+    if args.checkpointing == "auto" and args.checkpoint_blocks is not None:
+        raise ValueError(
+            f"--checkpoint-blocks {args.checkpoint_blocks} with --checkpointing auto: auto "
+            "chooses the blocks; drop one of them"
+        )
     strategy = Strategy(
         precision=args.precision,
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         grad_accum=args.grad_accum,
-        checkpointing=args.checkpointing,
+        checkpointing="none" if args.checkpointing == "auto" else args.checkpointing,
         checkpoint_blocks=args.checkpoint_blocks,
         optimizer=args.optimizer,
         master_weights=args.master_weights,
@@ -319,6 +324,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         world_size=args.gpus,
         **fields,
     )
+    chose = None
+    if args.checkpointing == "auto":
+        strategy, chose = choose_checkpointing(model, strategy, gpu)
     result = plan(model, strategy, gpu)
     time = step_time(model, strategy, gpu, host_cpus=args.host_cpus)
     fixes = [] if result.fits else what_would_fit(model, strategy, gpu)
@@ -337,6 +345,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         f"{gpu.name} ({gib(gpu.memory_bytes)}): {escape(strategy.describe())}",
         highlight=False,
     )
+    if chose is not None:
+        console.print(f"checkpointing auto: {escape(chose)}", highlight=False)
     if strategy.lora_rank:
         stored = strategy.quantize_base if strategy.quantize_base != "none" else strategy.precision
         console.print(
@@ -548,7 +558,11 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         "that if shorter; with --serve, the model's max_seq_len)",
     )
     p.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1)")
-    p.add_argument("--checkpointing", choices=["none", "full", "selective"], help="default none")
+    p.add_argument(
+        "--checkpointing",
+        choices=["none", "full", "selective", "auto"],
+        help="default none; auto: what `memfit train --checkpointing auto` chooses on --gpu",
+    )
     p.add_argument(
         "--attention-pattern",
         metavar="SPEC",

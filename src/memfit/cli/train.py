@@ -81,6 +81,7 @@ def run_train(config: Config, console: Console, *, auto: bool = False) -> int:
     if auto:
         config = choose_strategy(config, console)
     trainer = Trainer(config)
+    config = trainer.config  # (as resolved: the learning rate, --checkpointing auto's choice)
     if not trainer.world.is_main:  # torchrun: rank 0 reports for the run
         console.quiet = True
     mc = trainer.model_config

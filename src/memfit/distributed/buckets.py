@@ -11,6 +11,9 @@ decay and the like stay per group). Who fills which field:
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -21,6 +24,21 @@ from memfit.distributed.flat import FlatLayout
 # names these *_single (the older names, all torch 2.11 has, warn there)
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def grad_hook_of(method: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook that calls the bound `method` while its object lives. A hook
+    holding the object itself would keep it, its buckets and the model alive forever: the
+    parameter keeps the hook in C++, where Python's garbage collector cannot see the cycle (a
+    freed trainer's flat buffers stayed allocated until the process ended)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 class Bucket:

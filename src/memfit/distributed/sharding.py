@@ -44,7 +44,14 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from memfit.distributed.buckets import Bucket, HostBuffers, all_gather, free_storage, group_info
+from memfit.distributed.buckets import (
+    Bucket,
+    HostBuffers,
+    all_gather,
+    free_storage,
+    grad_hook_of,
+    group_info,
+)
 
 __all__ = ["ShardedParameters", "shard_parameters"]
 
@@ -119,7 +126,7 @@ class ShardedParameters:
             )
         for bucket in self.buckets:
             for param in bucket.params:
-                param.register_post_accumulate_grad_hook(self._on_grad)
+                param.register_post_accumulate_grad_hook(grad_hook_of(self._on_grad))
         self._callback_queued = False
 
     def _bind(self, bucket: Bucket) -> None:

@@ -67,6 +67,7 @@ from memfit.distributed.buckets import (
     Bucket,
     HostBuffers,
     all_gather,
+    grad_hook_of,
     group_info,
     reduce_scatter,
 )
@@ -158,7 +159,7 @@ class ZeroOptimizer:
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for bucket in self.buckets:
             for param in bucket.params:
-                param.register_post_accumulate_grad_hook(self._on_grad)
+                param.register_post_accumulate_grad_hook(grad_hook_of(self._on_grad))
         self._callback_queued = False
         if self.offload:
             # ZeRO-Offload: the optimizer steps fp32 copies of the shards in (pinned) CPU memory

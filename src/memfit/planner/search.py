@@ -24,7 +24,7 @@ things and are not to be compared by speed alone.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.models.config import ModelConfig, check_seq_len
@@ -211,6 +211,71 @@ def _search(
             memory = plan(model, partial, gpu)
             found.append(Recommendation(partial, memory, step_time(model, partial, gpu)))
     return found
+
+
+def choose_checkpointing(
+    model: ModelConfig, strategy: Strategy, gpu: GPU, *, budget: float | None = None
+) -> tuple[Strategy, str]:
+    """`--checkpointing auto`: `strategy` with the checkpointing that the time model puts fastest
+    among those whose MemoryPlan.required_bytes fit `budget` (default: the GPU's memory less
+    SAFETY_MARGIN): none, selective or full on every block, or selective or full on only as many
+    of the first blocks as it takes to fit (`fewest_checkpointed_blocks`: the least recompute).
+    Where none fits, full on every block (the leanest; the engine's preflight then says what
+    would fit). Returns the strategy and a line saying why."""
+    if budget is None:
+        budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
+    base = replace(strategy, checkpointing="none", checkpoint_blocks=None)
+    candidates = [base]
+    for mode in ("selective", "full"):
+        whole = replace(base, checkpointing=mode)
+        candidates.append(whole)
+        fewest = fewest_checkpointed_blocks(model, whole, gpu, budget=budget)
+        if fewest is not None:
+            candidates.append(fewest)
+    needs = [plan(model, c, gpu).required_bytes for c in candidates]
+    fitting = [i for i, need in enumerate(needs) if need <= budget]
+    if not fitting:
+        full = replace(base, checkpointing="full")
+        return full, (
+            f"nothing fits {budget / 2**30:.1f} GiB of the {gpu.name} (full checkpointing of "
+            f"every block needs {plan(model, full, gpu).required_bytes / 2**30:.1f} GiB): full "
+            "checkpointing, the leanest"
+        )
+    times = {i: step_time(model, candidates[i], gpu).total_s for i in fitting}
+    # (the fastest; at equal time the first listed: the less checkpointed)
+    chosen = min(fitting, key=lambda i: (times[i], i))
+    best = candidates[chosen]
+    if best.checkpointing == "none":
+        why = "it fits without"
+    else:
+        why = (
+            f"none needs {needs[0] / 2**30:.1f} GiB"
+            if needs[0] > budget
+            else "the time model puts it faster than none"
+        )
+        full = next(
+            i for i, c in enumerate(candidates)
+            if c.checkpointing == "full" and c.checkpoint_blocks is None
+        )  # fmt: skip
+        if chosen != full and full in times:
+            why += f"; {times[full] / times[chosen] - 1:.0%} faster than full on every block"
+    tokens_per_s = best.micro_batch * best.seq_len * best.grad_accum / times[chosen]
+    return best, (
+        f"{_checkpointing_label(model, best)}: {needs[chosen] / 2**30:.1f} of "
+        f"{budget / 2**30:.1f} GiB on the {gpu.name}, {tokens_per_s:,.0f} tokens/s predicted "
+        f"({why})"
+    )
+
+
+def _checkpointing_label(model: ModelConfig, strategy: Strategy) -> str:
+    if strategy.checkpointing == "none":
+        return "no checkpointing"
+    if strategy.checkpoint_blocks is None:
+        return f"{strategy.checkpointing} checkpointing of every block"
+    return (
+        f"{strategy.checkpointing} checkpointing of the first {strategy.checkpoint_blocks} of "
+        f"{model.num_layers} blocks"
+    )
 
 
 def recommend(model: ModelConfig, gpu: GPU, **options) -> list[Strategy]:

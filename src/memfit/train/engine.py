@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import memfit.distributed.launch as launch
-from memfit.config import Config, check_parallelism, to_toml
+from memfit.config import Config, TrainSection, check_parallelism, to_toml
 from memfit.distributed import ZeroOptimizer
 from memfit.distributed.parallelize import compiles_blocks, parallelize
 from memfit.functional import resolve_attention
@@ -51,6 +51,7 @@ from memfit.optim import (
     parameter_groups,
 )
 from memfit.planner.advice import planner_advice, preflight
+from memfit.planner.hardware import GPU
 from memfit.train import checkpoint as ckpt
 from memfit.train.data import build_data
 from memfit.train.metrics import StepMetrics, device_peak_flops, memory_stats
@@ -237,13 +238,16 @@ class Trainer:
         )
         self.attention = attention
         lora = config.lora.spec()
+        gpu = None
         if self.device.type == "cuda":
             from memfit.planner import detect_gpu
 
             gpu = detect_gpu()
-            verdict, message = (
-                preflight(self.model_config, self.strategy(), gpu) if gpu else ("ok", None)
-            )
+        if train.checkpointing == "auto":
+            train = self._choose_checkpointing(gpu)
+            config = self.config
+        if gpu is not None:
+            verdict, message = preflight(self.model_config, self.strategy(), gpu)
             if verdict == "refuse":
                 raise ConfigError(message)
             if verdict == "warn" and self.world.is_main:
@@ -773,12 +777,33 @@ class Trainer:
         return Strategy(
             precision=self.precision, micro_batch=train.micro_batch,
             seq_len=self.config.data.seq_len, grad_accum=train.grad_accum,
-            checkpointing=train.checkpointing, checkpoint_blocks=train.checkpoint_blocks,
-            optimizer=train.optimizer, master_weights=train.master_weights,
+            checkpointing=train.checkpointing if train.checkpointing != "auto" else "none",
+            checkpoint_blocks=train.checkpoint_blocks, optimizer=train.optimizer, master_weights=train.master_weights,
             attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
             offload_activations=train.offload_activations, world_size=self.world.world_size,
             **fine_tuning_fields(self.config),
         )  # fmt: skip
+
+    def _choose_checkpointing(self, gpu: GPU | None) -> TrainSection:
+        """`--checkpointing auto`: the planner's choice for this run on `gpu` (none, or selective
+        or full on every block or on the first blocks it takes to fit: the fastest predicted that
+        fits), written into the configuration; without a GPU of the planner's catalog, none."""
+        from memfit.planner.search import choose_checkpointing
+
+        train = self.config.train
+        if gpu is None:
+            chosen, checkpoint_blocks = "none", None
+            why = f"no checkpointing: no GPU of the planner's catalog to plan for on {self.device}"
+        else:
+            picked, why = choose_checkpointing(self.model_config, self.strategy(), gpu)
+            chosen, checkpoint_blocks = picked.checkpointing, picked.checkpoint_blocks
+        if self.world.is_main:
+            logger.info("checkpointing auto: %s", why)
+        train = dataclasses.replace(
+            train, checkpointing=chosen, checkpoint_blocks=checkpoint_blocks
+        )
+        self.config = dataclasses.replace(self.config, train=train)
+        return train
 
     def _out_of_memory(self, error: torch.OutOfMemoryError) -> OutOfMemory:
         from memfit.planner import detect_gpu
