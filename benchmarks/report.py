@@ -1227,6 +1227,130 @@ def _saturation_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _time_model_records(run: dict, part: str) -> list[dict]:
+    """The records of `part` in every run, each with its run's start (UTC): each run had a
+    machine of its own."""
+    return [
+        {**r, "started": x["env"]["date"][11:16]}
+        for x in run.get("all_runs", [run])
+        for r in x["records"]
+        if r.get("part") == part
+    ]
+
+
+def _today(record: dict):
+    """Today's time model's StepTime for a time_model.json record."""
+    import tempfile
+
+    from fit_time_model import model_of, strategy_of
+
+    from memfit.planner import GPUS, step_time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_of(record, Path(tmp))
+    return step_time(model, strategy_of(record), GPUS["h100-sxm"])
+
+
+def _time_strategy(r: dict) -> str:
+    s = r["strategy"]
+    text = f"seq {r['seq_len']}, mb {r['micro_batch']}"
+    if r["grad_accum"] > 1:
+        text += f" x {r['grad_accum']}"
+    text += f", {s['checkpointing']}"
+    if s["checkpoint_blocks"] is not None:
+        text += f" ({s['checkpoint_blocks']} blocks)"
+    if r["precision"] != "bf16":
+        text += f", {r['precision']}"
+    if s["optimizer"] != "adamw":
+        text += f", {s['optimizer']}" + (", bf16 weights" if s["master_weights"] == "none" else "")
+    if s["offload"] != "none":
+        text += f", offload {s['offload']}"
+    return text
+
+
+def time_model_table(run: dict) -> str:
+    """benchmarks/time_model.py's held-out part: Hugging Face models the time model is not
+    fitted to, each step against today's time model and the one of the run."""
+    lines = [
+        _env_line(run, "eager blocks, random weights, median of 5 steps after 3.")
+        + " Each run on a machine of its own (the one H100 each lent), its start in UTC."
+        " Predicted: today's time model (fitted to the designed set, not to these) and, in"
+        " brackets, the one the run had.",
+        "",
+        "| model | params | strategy | run (UTC) | measured (ms) | predicted (ms) | error | the host sets the pace | predicted when run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in _time_model_records(run, "held_out"):
+        if "step_s" not in r:
+            continue
+        today = _today(r)
+        lines.append(
+            f"| {r['model']} | {r['params'] / 1e9:.2f}B | {_time_strategy(r)} | {r['started']} | "
+            f"{r['step_s'] * 1e3:.1f} | {today.total_s * 1e3:.1f} | "
+            f"{today.total_s / r['step_s'] - 1:+.1%} | {'yes' if today.host_s else 'no'} | "
+            f"{r['predicted_step_s'] * 1e3:.1f} ({r['time_error']:+.1%}) |"
+        )
+    return "\n".join(lines)
+
+
+def recommend_table(run: dict) -> str:
+    """benchmarks/time_model.py --parts recommend: each model's first three strategies, run."""
+    lines = [
+        _env_line(run, "2^16 tokens a step, seq 2048, eager blocks, the median of 2 steps after 1.")
+        + " Place: where `memfit plan --recommend` (and `--auto`) ranked it; predicted: today's"
+        " time model.",
+        "",
+        "| model | place | strategy | measured tokens/s | vs the fastest measured | predicted tokens/s (error) | peak GiB (predicted) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    records = [r for r in _time_model_records(run, "recommend") if "step_s" in r]
+    for r in records:
+        fastest = max(x["tokens_per_s"] for x in records if x["model"] == r["model"])
+        today = _today(r)
+        tokens = r["micro_batch"] * r["seq_len"] * r["grad_accum"]
+        lines.append(
+            f"| {r['model']} | {r['place']} | {_time_strategy(r)} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / fastest - 1:+.1%} | {tokens / today.total_s:,.0f} "
+            f"({r['step_s'] / today.total_s - 1:+.1%}) | {r['peak_bytes'] / 2**30:.1f} "
+            f"({r['predicted_peak_bytes'] / 2**30:.1f}) |"
+        )
+    return "\n".join(lines)
+
+
+def adaptive_table(run: dict) -> str:
+    """benchmarks/time_model.py --parts adaptive: --checkpointing auto against every block."""
+    lines = [
+        _env_line(run, "eager blocks, random weights, median of 5 steps after 3.")
+        + " Without checkpointing neither fits the GPU.",
+        "",
+        "| model | seq x micro-batch | checkpointing | what it ran | tokens/s | vs full | peak GiB (predicted) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    records = _time_model_records(run, "adaptive")
+    for r in records:
+        s = r.get("strategy") or {}
+        what = s.get("checkpointing", "-")
+        if what in ("full", "selective"):
+            blocks = s["checkpoint_blocks"]
+            what += f", first {blocks} blocks" if blocks is not None else ", every block"
+        if "step_s" not in r:
+            lines.append(
+                f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {r['checkpointing']} | "
+                f"{what} | {r['error'][:40]} | - | - |"
+            )
+            continue
+        full = next(
+            x for x in records
+            if x["model"] == r["model"] and x["checkpointing"] == "full" and "step_s" in x
+        )  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {r['checkpointing']} | "
+            f"{what} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
+            f"{r['peak_bytes'] / 2**30:.1f} ({r['predicted_peak_bytes'] / 2**30:.1f}) |"
+        )
+    return "\n".join(lines)
+
+
 def _has(key: str) -> Callable[[dict], bool]:
     return lambda run: bool(run.get(key))
 
@@ -1262,6 +1386,9 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "sparse_decode": ("sparse_decode", sparse_decode_table, _has("records"), True),
     "quant_decode": ("quant_decode", quant_decode_table, _has("batch1"), True),
     "kv_fp8": ("inference", kv_fp8_table, _has("kv_fp8"), True),
+    "time_model": ("time_model", time_model_table, _has("records"), True),
+    "recommend": ("time_model", recommend_table, _has("records"), True),
+    "adaptive_checkpointing": ("time_model", adaptive_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

@@ -19,6 +19,8 @@ Parts:
 - fit: shapes with hidden sizes 576 to 8192 (few layers where wide: the time model is per
   layer), head dims 64 and 128, GQA ratios 1 to 8, sequences 1k to 16k, vocabularies 32k to
   152k, checkpointing none / selective / full, bf16 and fp16, optimizer offload.
+- host: 256 tokens a step, where the host's kernel launches set the step time: its cost per
+  block by checkpointing mode.
 - held_out: the configs of ten Hugging Face models (SmolLM2, Qwen2.5, Llama-3.2, TinyLlama,
   Mistral), full size, 135M to 7.6B parameters, five with 128k+ vocabularies.
 - adaptive: on llama-1b and llama-3.2-3b shapes where no checkpointing does not fit an H100,
@@ -84,6 +86,12 @@ SHAPES = {
     "h4096-hd128-v32k": llama(4096, 4, 32, 32, 11008, 32000),
     "h5120-hd128-v32k": llama(5120, 4, 40, 8, 13824, 32000),
     "h8192-hd128-v32k": llama(8192, 2, 64, 8, 28672, 32000),
+    # SwiGLU widths of 2x and 6x the hidden size, and a Qwen2-type block (q, k, v biases)
+    "h1024-hd128-f6x-v32k": llama(1024, 8, 8, 2, 6144, 32000),
+    "h2048-hd128-f6x-v152k": llama(2048, 6, 16, 2, 12288, 151936, tied=True),
+    "h2048-hd64-f2x-v32k": llama(2048, 6, 32, 8, 4096, 32000),
+    "h3072-hd128-f6x-v128k": llama(3072, 4, 24, 8, 18432, 128256),
+    "qwen2-h1280-hd128-v152k": llama(1280, 8, 10, 2, 7168, 151936, tied=True, model_type="qwen2"),
 }
 
 # Hugging Face models (their config.json's shapes), never fitted on
@@ -130,6 +138,20 @@ FIT = [
     ("h5120-hd128-v32k", 8192, 1, "full", "bf16", {}),
     ("h8192-hd128-v32k", 2048, 2, "full", "bf16", {}),
     ("h8192-hd128-v32k", 1024, 4, "none", "bf16", {}),
+    ("h1024-hd128-f6x-v32k", 2048, 8, "none", "bf16", {}),
+    ("h1024-hd128-f6x-v32k", 8192, 2, "full", "bf16", {}),
+    ("h2048-hd128-f6x-v152k", 4096, 2, "full", "bf16", {}),
+    ("h2048-hd128-f6x-v152k", 2048, 4, "none", "bf16", {}),
+    ("h2048-hd64-f2x-v32k", 4096, 2, "none", "bf16", {}),
+    ("h2048-hd64-f2x-v32k", 4096, 2, "selective", "bf16", {}),
+    ("h3072-hd128-f6x-v128k", 2048, 4, "full", "bf16", {}),
+    ("qwen2-h1280-hd128-v152k", 4096, 2, "none", "bf16", {}),
+    ("qwen2-h1280-hd128-v152k", 8192, 1, "full", "bf16", {}),
+    # the same tokens a micro-batch at sequences 1k and 16k: attention's share apart
+    ("h1024-hd64-v32k", 1024, 16, "none", "bf16", {}),
+    ("h1024-hd64-v32k", 16384, 1, "none", "bf16", {}),
+    ("h2048-hd128-v128k", 1024, 16, "none", "bf16", {}),
+    ("h2048-hd128-v128k", 16384, 1, "none", "bf16", {}),
 ]
 
 HELD_OUT = [
@@ -144,6 +166,13 @@ HELD_OUT = [
     ("Mistral-7B-v0.3", 4096, 1, "full", "bf16", {"optimizer": "adamw8bit", "master_weights": "none"}),
     ("Qwen2.5-7B", 4096, 1, "full", "bf16", {"optimizer": "adamw8bit", "master_weights": "none"}),
 ]  # fmt: skip
+
+# few tokens a step: the host's launches, not the GPU, set the step time
+HOST = [
+    (name, 256, 1, mode, "bf16", {})
+    for name in ("h576-hd64-v49k", "SmolLM2-135M", "h2048-hd64-v32k", "Llama-3.2-1B")
+    for mode in ("none", "full", "selective")
+]
 
 ADAPTIVE = [
     ("llama-1b", 4096, 16, mode, "bf16", {}) for mode in ("auto", "full", "selective", "none")
@@ -348,7 +377,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--parts", nargs="+", default=["fit", "held_out"],
-        choices=["fit", "held_out", "adaptive", "recommend"],
+        choices=["fit", "host", "held_out", "adaptive", "recommend"],
     )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
@@ -361,7 +390,7 @@ def main() -> None:
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        parts = {"fit": FIT, "held_out": HELD_OUT, "adaptive": ADAPTIVE}
+        parts = {"fit": FIT, "host": HOST, "held_out": HELD_OUT, "adaptive": ADAPTIVE}
         for part in args.parts:
             if part == "recommend":
                 records += recommend_part(args, folder, console)

@@ -94,18 +94,25 @@ def test_the_measured_runs_cover_both_updates_and_qlora():
     }
 
 
-def test_lora_time_is_optimistic_within_a_third(monkeypatch):
-    """Tokens/s of the same runs: the time model predicts 4% (llama-3-8b, H200, micro-batch 4)
-    to 33% (llama-3-8b, micro-batch 1) more than measured, never less (-1%: llama-3-8b on the
-    H100). It counts the adapters' FLOPs and bytes, not the launches of their many small
-    products and casts per layer, which show most where the products are small."""
+def test_lora_time_is_within_a_tenth_at_micro_batch_4(monkeypatch):
+    """Tokens/s of the same runs, by the time model refitted on full training (time_model.json;
+    no LoRA run fitted): at micro-batch 4 within -9% (llama-3-8b, H100, the update of commit
+    "concat") to +5% of the measured; at micro-batch 1 it predicts 22-30% more than measured: it
+    counts the adapters' FLOPs and bytes, and the host's launches of a plain block, not the
+    launches of the adapters' many small products and casts, which show where the products are
+    small."""
     for run, record, update in measured_lora_runs():
         if record["system"] != "memfit":
             continue
         monkeypatch.setattr(memory, "LORA_UPDATE", update)
         gpu = GPUS["h200" if "H200" in run["env"]["gpu"] else "h100-sxm"]
-        predicted = step_time(PRESETS[record["model"]], _strategy(run, record), gpu).tokens_per_s
-        assert 0.98 < predicted / record["tokens_per_s"] < 1.35, (record, predicted)
+        strategy = _strategy(run, record)
+        predicted = step_time(PRESETS[record["model"]], strategy, gpu).tokens_per_s
+        ratio = predicted / record["tokens_per_s"]
+        if strategy.micro_batch >= 4:
+            assert 0.9 < ratio < 1.06, (record, predicted)
+        else:
+            assert 1.0 < ratio < 1.35, (record, predicted)
 
 
 def test_the_planner_mirrors_the_engine_constants():

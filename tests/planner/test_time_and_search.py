@@ -22,26 +22,39 @@ def measured_train_steps():
     "record", measured_train_steps(), ids=lambda r: f"{r['checkpointing']}-mb{r['micro_batch']}"
 )
 def test_time_model_matches_the_measured_h100_steps(record):
-    """The efficiencies were fitted to these H100 runs (BENCHMARKS.md); the recompute term was not."""
+    """llama-1b's H100 runs the time model was once fitted to, no longer (it is fitted to
+    time_model.json's designed set): within 10%, the issue's bar for runs not fitted to (-3% to
+    -7%: these ran compiled blocks without checkpointing, and an older engine)."""
     strategy = Strategy(
         micro_batch=record["micro_batch"],
         seq_len=record["seq_len"],
         checkpointing=record["checkpointing"],
     )
     predicted = step_time(PRESETS["llama-1b"], strategy, GPUS["h100-sxm"]).tokens_per_s
-    assert predicted == pytest.approx(record["tokens_per_s"], rel=0.05)
+    assert predicted == pytest.approx(record["tokens_per_s"], rel=0.1)
 
 
 def test_checkpointing_and_small_batches_cost_time():
+    """Checkpointing costs its recompute; selective's rerun skips attention but its policy sees
+    every operation on the host, so it is the slower of the two where the host sets the pace
+    (llama-1b, 8k tokens a micro-batch) and the faster where the GPU does (64k: measured 930 ms
+    against full's 958, time_model.json)."""
     model, gpu = PRESETS["llama-1b"], GPUS["h100-sxm"]
-    none = step_time(model, Strategy(micro_batch=4), gpu).tokens_per_s
-    selective = step_time(
-        model, Strategy(micro_batch=4, checkpointing="selective"), gpu
-    ).tokens_per_s
-    full = step_time(model, Strategy(micro_batch=4, checkpointing="full"), gpu).tokens_per_s
-    assert none > selective > full
-    assert step_time(model, Strategy(micro_batch=1), gpu).tokens_per_s < none
-    assert step_time(model, Strategy(micro_batch=4, precision="fp32"), gpu).tokens_per_s < none / 5
+
+    def speed(**fields):
+        return step_time(model, Strategy(**fields), gpu).tokens_per_s
+
+    none = speed(micro_batch=4)
+    assert (
+        none
+        > speed(micro_batch=4, checkpointing="full")
+        > speed(micro_batch=4, checkpointing="selective")
+    )
+    assert speed(micro_batch=16, seq_len=4096, checkpointing="selective") > speed(
+        micro_batch=16, seq_len=4096, checkpointing="full"
+    )
+    assert speed(micro_batch=1) < none
+    assert speed(micro_batch=4, precision="fp32") < none / 5
 
 
 def test_recommend_ranks_fitting_strategies_fastest_first():
@@ -324,3 +337,70 @@ def test_offload_plans_its_host_memory():
     offloaded = plan(model, Strategy(world_size=4, zero=3, offload="params"))
     assert offloaded.host_bytes == pytest.approx(16 * model.num_params / 4, rel=1e-6)
     assert plan(model, Strategy()).host_bytes == 0
+
+
+TIME_MODEL_RESULTS = RESULTS.parent / "time_model.json"
+
+
+def time_model_records(part: str) -> list[dict]:
+    """The measured records of `part` in every run of time_model.json (benchmarks/time_model.py)."""
+    return [
+        r
+        for run in json.loads(TIME_MODEL_RESULTS.read_text())
+        for r in run["records"]
+        if r["part"] == part and "step_s" in r
+    ]
+
+
+def _predicted(record: dict, tmp_path):
+    from memfit.models.config import from_hf_config
+
+    if record["hf_config"] is None:
+        model = PRESETS[record["model"]]
+    else:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**record["hf_config"], "_name_or_path": record["model"]}))
+        model = from_hf_config(path)
+    fields = {**record["strategy"], "lora_targets": tuple(record["strategy"]["lora_targets"])}
+    return step_time(model, Strategy(**{**fields, "teacher": None}), GPUS["h100-sxm"])
+
+
+@pytest.mark.parametrize(
+    "record",
+    time_model_records("held_out") + time_model_records("recommend"),
+    ids=lambda r: (
+        f"{r['part']}-{r['model']}-mb{r['micro_batch']}x{r['grad_accum']}-"
+        f"{r['strategy']['checkpointing']}"
+    ),
+)
+def test_the_time_model_predicts_models_it_was_not_fitted_to(record, tmp_path):
+    """Hugging Face models from 135M to 8B parameters (five with 128k+ vocabularies), and
+    `--recommend`'s first three strategies of five of them, none fitted on (the designed set
+    and the host-bound steps are, benchmarks/fit_time_model.py), each run on a machine of its
+    own: every step the GPU sets the pace of within 10% on the first machine and 12.3% on the
+    second (Llama-3.2-3B, whose host was slower), and where the host's launches set it (the
+    smallest models) within 35%: the host's speed moved such steps by up to 1.5x between
+    machines of the same kind (SmolLM2-135M: 73, 102 and 110 ms), which no constant follows."""
+    predicted = _predicted(record, tmp_path)
+    error = predicted.total_s / record["step_s"] - 1
+    host_bound = predicted.host_s > 0
+    assert abs(error) < (0.35 if host_bound else 0.13), (error, host_bound)
+
+
+def test_the_time_model_fits_its_designed_set(tmp_path):
+    """The designed set it is fitted on (hidden sizes 576 to 8192, head dims 64 and 128, GQA 1
+    to 8, SwiGLU 2x to 6x, sequences 1k to 16k, vocabularies 32k to 152k, every checkpointing
+    mode, bf16 and fp16, optimizer offload): rms error under 12%, and the GPU-bound steps'
+    under 8%."""
+    errors, gpu_bound = [], []
+    for record in time_model_records("fit"):
+        predicted = _predicted(record, tmp_path)
+        errors.append(predicted.total_s / record["step_s"] - 1)
+        if predicted.host_s == 0:
+            gpu_bound.append(errors[-1])
+
+    def rms(values):
+        return (sum(e * e for e in values) / len(values)) ** 0.5
+
+    assert len(errors) >= 40 and len(gpu_bound) >= 30
+    assert rms(errors) < 0.12 and rms(gpu_bound) < 0.08, (rms(errors), rms(gpu_bound))

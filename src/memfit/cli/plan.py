@@ -367,10 +367,12 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     table.add_row("needed (+5% allocator slack, CUDA context)", gib(result.required_bytes))
     console.print(table)
     teacher = f", teacher {time.teacher_s:.3f}" if strategy.teacher is not None else ""
+    host = f", host launches beyond the GPU's work {time.host_s:.3f}" if time.host_s else ""
     console.print(
         f"step: {time.total_s:.3f} s, {time.tokens_per_s:,.0f} tokens/s per GPU "
         f"(compute {time.compute_s:.3f}, recompute {time.recompute_s:.3f}, optimizer "
-        f"{time.optimizer_s:.3f}, communication {time.communication_s:.3f}{teacher} s; memfit's "
+        f"{time.optimizer_s:.3f}, communication {time.communication_s:.3f}{teacher}{host} s; "
+        "memfit's "
         "time model)",
         highlight=False,
     )

@@ -1,24 +1,41 @@
 """The time model: a roofline of one optimizer step, its constants measured (BENCHMARKS.md).
 
-    compute       = training FLOPs / (peak dense rate x efficiency(hidden size))
-                    + the weights' and gradients' traffic outside the matmuls / HBM bandwidth
-    recompute     = the forward FLOPs that activation checkpointing runs again (full: the blocks'
-                    forward; selective: all of it but attention's)
+    compute       = the products' FLOPs / (peak dense rate x efficiency(hidden size))
+                    + attention's FLOPs / (peak dense rate x attention_efficiency(head dim))
+                    + the blocks' elementwise passes, the loss's passes over its logits, and
+                    the weights' and gradients' traffic outside the matmuls / HBM bandwidth
+                    (fp16: the fused loss's gradient products at the fp32 rate)
+    recompute     = what activation checkpointing runs again of the blocks' forward (full: all
+                    of it; selective: all but attention)
+    host          = what the host's kernel launches take beyond that: eager blocks cost the host
+                    milliseconds each (HOST_SECONDS_PER_BLOCK), so small models wait for Python
     optimizer     = bytes the update reads and writes / (HBM bandwidth x 0.8) (AdamW: parameter,
                     gradient and two moments read, three written: 28 B/param), or with offload
                     the CPU step at the node's rate and the PCIe copies
     communication = bytes each GPU's links carry per step / (NVLink rate x the bus efficiency
                     NCCL reaches) x the part that shows in the step
 
-Training FLOPs per token are 6 per parameter plus causal attention (ModelConfig.flops_per_token).
-Fitted to memfit's own runs (benchmarks/results: train_step.json on an H100, zero.json on H100
-and H200 at 1 and 2 GPUs, llama-1b to llama-2-13b, the runs up to commit 56557b1, plus ab6e1a6
-and e1aeb55 for the CPU rate; later runs, a207e91's accumulation and c920c3d's parameter
-offload, are held out and tested against it), and measured apart where a rate can be
-(bandwidth.json):
-- efficiency 0.76 x h / (h + 600): 0.59 of the dense rate for llama-1b (h 2048), 0.66 for
-  llama-2-7b (4096), 0.68 for llama-2-13b (5120). fp32 runs on the non-tensor-core rate, about
-  1/15 of bf16 on Hopper.
+Products: 6 FLOPs per parameter a token (an input embedding of its own is a lookup, not one),
+attention 3x its forward (ModelConfig.flops_per_token). The compute and host constants are
+fitted (benchmarks/fit_time_model.py, least squares on log(predicted / measured)) to a designed
+set of H100 steps (benchmarks/time_model.py, results/time_model.json: hidden sizes 576 to 8192,
+head dims 64 and 128, GQA 1 to 8, SwiGLU 2x to 6x the hidden size, sequences 1k to 16k,
+vocabularies 32k to 152k, none / selective / full checkpointing, bf16 and fp16, optimizer
+offload, and steps of 256 tokens where the host sets the pace), eager blocks (compiled ones
+change GPU-bound steps by 1-4%, train_step.json). Held out, never fitted: ten Hugging Face
+models from 135M to 7.6B parameters and `--recommend`'s first three strategies of five models
+from 0.5B to 8B, all within 10% where the GPU sets the pace (BENCHMARKS.md, "The time model").
+- efficiency 0.749 x h / (h + 239): 0.53 of the dense rate at h 576, 0.61 at 1024, 0.71 at
+  4096; attention 0.42 (head dim 64) and 0.40 (128) of it, forward and backward (torch's SDPA).
+- elementwise passes 147 bytes a token per unit of hidden width per block (the SwiGLU width
+  adds nothing the fit can tell apart), the loss 22 bytes a logit; fp32 products 1/21 of the
+  dense rate (fitted to fp16's loss gradients).
+- the host: 2.6 ms a block and micro-batch without checkpointing, 5.2 with full, 7.9 with
+  selective (torch's selective-checkpoint policy sees every operation of the forward and of
+  its rerun), and 14 ms a step. The host's speed moved host-bound steps by up to 2x between
+  machines of the same kind, so for the smallest models the model is good to about 35%.
+Measured apart and fitted earlier (train_step.json, zero.json on H100 and H200 at 1 and 2 GPUs,
+llama-1b to llama-2-13b, and bandwidth.json):
 - NCCL's bus bandwidth on two H200s (NVLink 4, multicast off) was 243 GB/s for a 64 MiB
   all-reduce, 53% of the links' 450 GB/s; reduce-scatter and all-gather reach a little less.
 - Collectives run beside backward on their own stream, yet 80% of their time shows in the step
@@ -70,9 +87,9 @@ from memfit.planner.memory import (
     quantized_weight_bytes,
 )
 
-PEAK_EFFICIENCY = 0.76
-HALF_EFFICIENCY_WIDTH = 600
-FP32_SLOWDOWN = 15.0
+PEAK_EFFICIENCY = 0.749
+HALF_EFFICIENCY_WIDTH = 239
+FP32_SLOWDOWN = 21.2
 HBM_EFFICIENCY = 0.8
 NCCL_BUS_EFFICIENCY = 0.53
 COMMUNICATION_EXPOSED = 0.8
@@ -80,6 +97,22 @@ GPUS_PER_NODE = 8
 PCIE_BYTES_PER_S = 53e9  # host <-> GPU, pinned memory, one direction (H100/H200 hosts, Gen5)
 CPU_ADAM_PARAMS_PER_S = 4.4e9  # torch's fused AdamW with unscaling, a node of HOST_CPUS cores
 HOST_CPUS = 16
+ATTENTION_EFFICIENCY = {64: 0.424, 128: 0.403}
+"""The fraction of the peak dense rate SDPA's fused attention reaches at head dims 64 and 128,
+forward and backward (`attention_efficiency`)."""
+ELEMENTWISE_BYTES = 147.0
+"""HBM bytes a token moves per block and unit of hidden width outside the products, forward and
+backward: norms, RoPE, SwiGLU, residual adds, casts (`elementwise_bytes_per_token`; a term in the
+SwiGLU width fitted to 0 beside it, over SwiGLU widths of 2x to 6x the hidden size)."""
+FORWARD_ELEMENTWISE_SHARE = 1 / 3
+"""The forward's part of those passes, which a checkpointed block runs again."""
+LOSS_BYTES_PER_LOGIT = 22.3
+"""HBM bytes the fused cross-entropy moves per token and vocabulary entry."""
+HOST_SECONDS_PER_BLOCK = {"none": 2.58e-3, "full": 5.15e-3, "selective": 7.91e-3}
+"""The host's time to launch one block's forward and backward (and rerun) for one micro-batch,
+eager, by checkpointing (`host_seconds`)."""
+HOST_SECONDS_PER_STEP = 13.7e-3
+"""The host's time a step spends outside the blocks (the loss, the update, clipping, metrics)."""
 QUANT_MATMUL_SLOWDOWN = 2.5
 """How much slower memfit's fused dequantizing matmul (memfit.ops.quant.matmul) runs than the
 bf16 cuBLAS product it replaces, where memfit.nn.quant runs it: products of at most
@@ -109,6 +142,9 @@ class StepTime:
     """Tokens per optimizer step on one GPU."""
     teacher_s: float = 0.0
     """Distillation: the teacher's forwards and the distillation loss beyond a cross-entropy's."""
+    host_s: float = 0.0
+    """What the host's kernel launches take beyond the GPU's work on the blocks (small models:
+    the GPU waits for Python)."""
 
     @property
     def total_s(self) -> float:
@@ -118,6 +154,7 @@ class StepTime:
             + self.optimizer_s
             + self.communication_s
             + self.teacher_s
+            + self.host_s
         )
 
     @property
@@ -129,6 +166,52 @@ def efficiency(model: ModelConfig) -> float:
     """The fraction of the peak dense rate the matmuls and attention reach: higher for wider
     models (larger GEMMs)."""
     return PEAK_EFFICIENCY * model.hidden_size / (model.hidden_size + HALF_EFFICIENCY_WIDTH)
+
+
+def attention_efficiency(head_dim: int) -> float:
+    """The fraction of the peak dense rate SDPA's fused attention reaches, forward and backward:
+    measured at head dims 64 and 128, between them interpolated, outside them the nearer."""
+    low, high = ATTENTION_EFFICIENCY[64], ATTENTION_EFFICIENCY[128]
+    share = min(1.0, max(0.0, (head_dim - 64) / 64))
+    return low + (high - low) * share
+
+
+def elementwise_bytes_per_token(model: ModelConfig) -> float:
+    """HBM bytes per token of the blocks' passes outside the matmuls and attention (norms, RoPE,
+    SwiGLU, residual adds, casts), forward and backward: ELEMENTWISE_BYTES per unit of the
+    hidden width per block."""
+    return ELEMENTWISE_BYTES * model.num_layers * model.hidden_size
+
+
+def loss_bytes_per_token(model: ModelConfig) -> float:
+    """HBM bytes per token of the fused cross-entropy's passes over its logits (written, read
+    for the log-sum-exp, the gradient written over them and read by its products)."""
+    return LOSS_BYTES_PER_LOGIT * model.vocab_size
+
+
+def host_seconds(model: ModelConfig, strategy: Strategy) -> float:
+    """The host's time to launch a step's blocks, forward and backward, eager: per block and
+    micro-batch HOST_SECONDS_PER_BLOCK of its checkpointing (selective's policy sees every
+    operation of the forward and of its rerun)."""
+    checked = memory.checkpointed_blocks(model, strategy)
+    mode = strategy.checkpointing if strategy.checkpointing != "none" else "none"
+    per_micro_batch = (
+        checked * HOST_SECONDS_PER_BLOCK[mode]
+        + (model.num_layers - checked) * HOST_SECONDS_PER_BLOCK["none"]
+    )
+    return HOST_SECONDS_PER_STEP + strategy.grad_accum * per_micro_batch
+
+
+def _training_flops_parts(model: ModelConfig, strategy: Strategy) -> tuple[float, float]:
+    """Per token, (the products' FLOPs, attention's) of a forward and backward: attention's
+    forward and backward 3x its forward; the products those of `training_flops_per_token` less
+    attention, and less the input embedding's 6 per parameter where it is a table of its own
+    (a lookup, not a product; tied, it is the output head's weight, which is one)."""
+    attention = 3 * model.spec.attention_forward_flops(strategy.seq_len)
+    matmuls = training_flops_per_token(model, strategy) - attention
+    if not strategy.lora_rank and not model.tie_embeddings:
+        matmuls -= 6 * model.vocab_size * model.hidden_size
+    return matmuls, attention
 
 
 def weight_traffic_bytes(strategy: Strategy, checked: float = 1.0) -> float:
@@ -246,30 +329,39 @@ def step_time(
     """The time model's optimizer step; `host_cpus`: the training node's CPU cores (offload)."""
     tokens = strategy.micro_batch * strategy.seq_len * strategy.grad_accum
     rate = gpu.bf16_flops * efficiency(model)
+    attention_rate = gpu.bf16_flops * attention_efficiency(model.head_dim)
     if strategy.precision == "fp32":
         rate /= FP32_SLOWDOWN
-    flops_per_token = training_flops_per_token(model, strategy)
+        attention_rate /= FP32_SLOWDOWN
+    matmul_flops, attention_flops = _training_flops_parts(model, strategy)
     # the parameters whose weights and gradients the step casts, accumulates and updates
     P = adapter_params(model, strategy) if strategy.lora_rank else model.num_params
     hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
     # the part of the blocks whose forward checkpointing runs again
     checked = memory.checkpointed_blocks(model, strategy) / model.num_layers
     weights = strategy.grad_accum * P * weight_traffic_bytes(strategy, checked) / hbm
-    compute = tokens * flops_per_token / rate + weights
+    compute = tokens * (matmul_flops / rate + attention_flops / attention_rate) + weights
     compute += tokens * lora_traffic_bytes_per_token(model, strategy) / hbm
+    compute += tokens * (elementwise_bytes_per_token(model) + loss_bytes_per_token(model)) / hbm
+    if strategy.precision == "fp16" and strategy.fused_cross_entropy:
+        # the fused loss's gradient products run in fp32 (fp16 cannot hold small softmax
+        # values: memfit.ops.cross_entropy): the head's input and weight gradients
+        head = 2 * model.vocab_size * model.hidden_size * (1 if strategy.lora_rank else 2)
+        compute += tokens * head * FP32_SLOWDOWN / gpu.bf16_flops
 
     # the blocks' forward is recomputed (not the embedding or the loss): 2 FLOPs per block
     # parameter plus attention's score and value products, which selective keeps instead
-    # (LoRA: and the adapters' forward)
+    # (LoRA: and the adapters' forward), and the forward's share of the elementwise passes
     attention_forward = model.spec.attention_forward_flops(strategy.seq_len)
-    forward_per_token = model.spec.block_forward_flops(strategy.seq_len)
-    forward_per_token += 2 * adapter_params(model, strategy)
-    if strategy.checkpointing == "full":
-        recompute = checked * tokens * forward_per_token / rate
-    elif strategy.checkpointing == "selective":
-        recompute = checked * tokens * max(0.0, forward_per_token - attention_forward) / rate
-    else:
-        recompute = 0.0
+    forward_matmul = model.spec.block_forward_flops(strategy.seq_len) - attention_forward
+    forward_matmul += 2 * adapter_params(model, strategy)
+    forward_elementwise = elementwise_bytes_per_token(model) * FORWARD_ELEMENTWISE_SHARE / hbm
+    recompute = 0.0
+    if strategy.checkpointing in ("full", "selective"):
+        recompute = forward_matmul / rate + forward_elementwise
+        if strategy.checkpointing == "full":
+            recompute += attention_forward / attention_rate
+        recompute *= checked * tokens
     # QLoRA: each pass of the base's products (forward, recompute, input gradient) dequantizes
     # its weights for cuBLAS, or runs the fused kernel (QUANT_MATMUL_SLOWDOWN)
     if strategy.quantize_base != "none":
@@ -285,6 +377,8 @@ def step_time(
                 * _base_matmul_flops_per_token(model)
                 / rate
             )
+
+    host = host_seconds(model, strategy) - (compute + recompute)
 
     N = strategy.world_size
     bytes_per_param = get_optimizer(strategy.optimizer).update_bytes_per_param
@@ -333,6 +427,7 @@ def step_time(
         communication_s=communication,
         tokens=tokens,
         teacher_s=teacher_time(model, strategy, gpu),
+        host_s=max(0.0, host),
     )
 
 
