@@ -148,6 +148,7 @@ def test_plan_recommend(capsys):
     assert main(["plan", "--model", "llama-1b", "--gpu", "a100-80gb", "--recommend", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found and found[0]["fits"] and found[0]["tokens_per_s"] >= found[-1]["tokens_per_s"]
+    assert found[0]["why"].startswith("the fastest predicted")
     assert main(["plan", "--model", "llama-2-7b", "--gpu", "a10g", "--recommend"]) == 1
     assert "fits" in capsys.readouterr().out
 
@@ -158,6 +159,8 @@ def test_plan_recommend_on_several_gpus_ranks_zero_stages(capsys):
     assert main(["plan", "--model", "llama-1b", "--recommend", "--gpus", "4"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # (rich wraps the table and lines)
     assert "llama-1b on 4 x h100-sxm" in out
+    assert "why each is there: 1. full: the fastest predicted" in out
+    assert "2. full:" in out and "slower than the first" in out
     assert "run the first: torchrun --nproc_per_node 4 -m memfit train --model llama-1b" in out
     assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--zero", "3", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)

@@ -148,3 +148,27 @@ def test_bad_input_names_the_known_values():
         Strategy(zero=2)
     with pytest.raises(ValueError, match="offload params .* needs --zero 3"):
         Strategy(offload="params", zero=1, world_size=2)
+
+
+def test_what_would_fit_a_refused_multi_gpu_run_shards_offloads_and_leans():
+    """llama-2-7b with AdamW on 4 H100s at stage 0 needs 106 GiB a GPU: the single changes that
+    fit shard the state over the same GPUs (stages 1, 2, 3), offload it, or take the 8-bit
+    optimizer, each planned as it would run; none of them is over the GPU."""
+    from memfit.planner.memory import what_would_fit
+
+    model, gpu = PRESETS["llama-2-7b"], get_gpu("h100-sxm")
+    strategy = Strategy(micro_batch=1, checkpointing="full", world_size=4)
+    assert not plan(model, strategy, gpu).fits
+    fixes = dict(what_would_fit(model, strategy, gpu))
+    for label in ("--zero 1", "--zero 2", "--zero 3", "--offload optimizer",
+                  "--zero 3 --offload params", "--optimizer adamw8bit"):  # fmt: skip
+        assert label in fixes, sorted(fixes)
+    assert all(p.fits for p in fixes.values())
+    # (sharding more frees more)
+    assert (
+        fixes["--zero 3"].peak_bytes < fixes["--zero 2"].peak_bytes < fixes["--zero 1"].peak_bytes
+    )
+    # on one GPU there is nothing to shard over: no bare --zero
+    alone = dict(what_would_fit(model, Strategy(micro_batch=1, checkpointing="full"), gpu))
+    assert not any(label.startswith("--zero ") and " on " not in label and "offload" not in label
+                   for label in alone)  # fmt: skip

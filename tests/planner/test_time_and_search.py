@@ -404,3 +404,23 @@ def test_the_time_model_fits_its_designed_set(tmp_path):
 
     assert len(errors) >= 40 and len(gpu_bound) >= 30
     assert rms(errors) < 0.12 and rms(gpu_bound) < 0.08, (rms(errors), rms(gpu_bound))
+
+
+def test_each_recommendation_says_why_it_is_there():
+    """The first is the fastest predicted; each other says how much slower and how much memory
+    it saves; a strategy's offload, checkpointing or lean optimizer each name what the strategy
+    without it would need (over the GPU)."""
+    gpu = GPUS["h100-sxm"]
+    found = rank_strategies(PRESETS["llama-2-7b"], gpu, limit=3, host_memory=512 * 2**30)
+    first, *others = found
+    assert first.reasons.startswith("the fastest predicted")
+    assert all("slower than the first" in r.reasons for r in others)
+    s = first.strategy
+    assert (s.zero, s.offload) == (3, "params")
+    assert "ZeRO-3 with params offload: stage 0 on the GPU needs" in first.reasons
+    if s.checkpoint_blocks is not None:
+        assert f"on the fewest blocks that fit ({s.checkpoint_blocks} of 32)" in first.reasons
+    assert first.reasons in first.why()
+    lean = rank_strategies(PRESETS["llama-2-7b"], gpu, limit=1, host_memory=16 * 2**30)[0]
+    assert "adamw8bit: nothing fits with adamw" in lean.reasons
+    assert "bf16 weights: nothing fits with fp32 masters" in lean.reasons

@@ -145,6 +145,7 @@ def run_rank_strategies(
                         **r.plan.to_json(),
                         "tokens_per_s": r.time.tokens_per_s,
                         "step_s": r.time.total_s,
+                        "why": r.reasons,
                     }
                     for r in fitting
                 ]
@@ -152,7 +153,11 @@ def run_rank_strategies(
         )
         return rc
     if fitting:
-        console.print(_goals_table(model, gpu, args.gpus, args.seq_len, found))
+        table, why = _goals_table(model, gpu, args.gpus, args.seq_len, found)
+        console.print(table)
+        console.print("why each is there:", highlight=False)
+        for line in why:
+            console.print(f"  {escape(line)}", highlight=False)
     if not found[asked]:
         others = [goal for goal, recommendations in found.items() if recommendations]
         instead = (
@@ -199,21 +204,23 @@ def run_rank_strategies(
 
 def _goals_table(
     model: ModelConfig, gpu: GPU, gpus: int, seq_len: int, found: dict[str, list[Recommendation]]
-) -> Table:
+) -> tuple[Table, list[str]]:
     """Each goal's fastest strategies (3 a goal where there are several goals) and, when these
     all put activations in pinned host memory, the fastest that does not; a row saying so for a
-    goal that nothing fits."""
+    goal that nothing fits. And a line for each numbered row: why it is there."""
     per_goal = 5 if len(found) == 1 else 3
     on = gpu.name if gpus == 1 else f"{gpus} x {gpu.name}"
     table = Table(
         title=f"memfit plan --recommend: {escape(model.name)} on {on} "
         f"({gib(gpu.memory_bytes)} each), seq {seq_len}, each goal fastest first"
     )
-    for column in ("goal", "strategy", "peak allocated", "tokens/s (predicted)", "MFU", "step (s)"):
+    for column in ("", "goal", "strategy", "peak allocated", "tokens/s (predicted)", "MFU",
+                   "step (s)"):  # fmt: skip
         table.add_column(column)
+    why = []
     for goal, recommendations in found.items():
         if not recommendations:
-            table.add_row(goal, "[red]nothing fits[/]", "", "", "", "")
+            table.add_row("", goal, "[red]nothing fits[/]", "", "", "", "")
         rows = recommendations[:per_goal]
         if all(r.strategy.offload_activations for r in rows):
             rows += [r for r in recommendations if not r.strategy.offload_activations][:1]
@@ -223,7 +230,9 @@ def _goals_table(
             described = escape(r.strategy.describe())
             if r.plan.host_bytes:
                 described += f" ({gib(r.plan.host_bytes)} pinned host memory)"
+            why.append(f"{len(why) + 1}. {goal}: {r.reasons}")
             table.add_row(
+                str(len(why)),
                 goal,
                 described,
                 gib(r.plan.peak_bytes),
@@ -232,7 +241,7 @@ def _goals_table(
                 f"{r.time.total_s:.2f}",
             )
         table.add_section()
-    return table
+    return table, why
 
 
 def train_command(model: str, strategy: Strategy) -> str:

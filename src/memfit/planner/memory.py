@@ -1112,11 +1112,20 @@ def what_would_fit(
                 {"checkpointing": "full", "micro_batch": 1, "grad_accum": accum, **every},
             )
         )
+    if strategy.world_size > 1:  # shard more of the state over the same GPUs
+        for zero in range(strategy.zero + 1, 4):
+            candidates.append((f"--zero {zero}", {"zero": zero}))
     if strategy.offload == "none":
         candidates.append(("--offload optimizer", {"offload": "optimizer"}))
+    if strategy.offload != "params":
+        candidates.append(("--zero 3 --offload params", {"zero": 3, "offload": "params"}))
     for gpus in (2, 4, 8, 16, 32, 64):
         if gpus > strategy.world_size:
             candidates.append((f"--zero 3 on {gpus} GPUs", {"zero": 3, "world_size": gpus}))
+    # then the leaner optimizers, which train differently (8-bit states; factored second moments)
+    if strategy.optimizer == "adamw":
+        for lean in ("adamw8bit", "adafactor", "sm3"):
+            candidates.append((f"--optimizer {lean}", {"optimizer": lean}))
     # last, since they change what trains: adapters on a frozen base (in the compute dtype, or
     # NF4; the fp32 masters they need)
     lora = {"lora_rank": strategy.lora_rank or 16, "master_weights": "fp32"}

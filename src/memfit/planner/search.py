@@ -57,12 +57,16 @@ class Recommendation:
     strategy: Strategy
     plan: MemoryPlan
     time: StepTime
+    reasons: str = ""
+    """Why it is listed: its place against the first, and what each of its choices buys (the
+    memory the strategy without it would need); `rank_strategies` fills it in."""
 
     def why(self) -> str:
-        return (
-            f"fastest predicted of the strategies that fit: {self.time.tokens_per_s:,.0f} tokens/s, "
-            f"peak {self.plan.peak_bytes / 2**30:.1f} GiB of {self.plan.capacity_bytes / 2**30:.1f} GiB"
+        head = (
+            f"{self.time.tokens_per_s:,.0f} tokens/s, peak {self.plan.peak_bytes / 2**30:.1f} "
+            f"GiB of {self.plan.capacity_bytes / 2**30:.1f} GiB"
         )
+        return f"{head}: {self.reasons}" if self.reasons else head
 
 
 def rank_strategies(
@@ -104,7 +108,77 @@ def rank_strategies(
         if found:
             break
     found.sort(key=lambda r: r.time.tokens_per_s, reverse=True)
+    budget = gpu.memory_bytes * (1 - SAFETY_MARGIN)
+    for r in found[:limit]:
+        r.reasons = _reasons(model, gpu, r, found[0], budget, optimizer)
     return found[:limit]
+
+
+def _reasons(
+    model: ModelConfig,
+    gpu: GPU,
+    r: Recommendation,
+    first: Recommendation,
+    budget: float,
+    asked: str,
+) -> str:
+    """Why `r` is listed: its place against `first`, and for each of its choices that the plain
+    strategy (AdamW, stage 0, nothing offloaded, no checkpointing) would not make, the memory
+    that strategy without it would need, where that is over the budget."""
+    s = r.strategy
+    said = []
+    if r is first:
+        said.append("the fastest predicted")
+    else:
+        slower = 1 - r.time.tokens_per_s / first.time.tokens_per_s
+        saved = first.plan.peak_bytes - r.plan.peak_bytes
+        said.append(
+            f"{slower:.1%} slower than the first"
+            + (f", {saved / 2**30:.1f} GiB less memory" if saved > 2**30 / 10 else "")
+        )
+
+    def without(**changes) -> str | None:
+        try:
+            need = plan(model, replace(s, **changes), gpu).required_bytes
+        except ValueError:
+            return None
+        return f"{need / 2**30:.1f} GiB" if need > budget else None
+
+    if s.optimizer != asked:
+        said.append(f"{s.optimizer}: nothing fits with {asked}")
+    if s.master_weights == "none":
+        said.append("bf16 weights: nothing fits with fp32 masters")
+    if s.zero or s.offload != "none":
+        need = without(zero=0, offload="none")
+        layout = f"ZeRO-{s.zero}" + (f" with {s.offload} offload" if s.offload != "none" else "")
+        if need:
+            said.append(f"{layout}: stage 0 on the GPU needs {need}")
+        else:  # (it fits at stage 0 too: the trade)
+            plain = replace(s, zero=0, offload="none")
+            more = plan(model, plain, gpu).peak_bytes - r.plan.peak_bytes
+            faster = r.time.total_s / step_time(model, plain, gpu).total_s - 1
+            said.append(
+                f"{layout}: {more / 2**30:.1f} GiB less than stage 0, whose step the time "
+                f"model puts {abs(faster):.1%} {'shorter' if faster > 0 else 'longer'}"
+            )
+    if s.checkpointing != "none":
+        need = without(checkpointing="none", checkpoint_blocks=None, offload_activations=False)
+        blocks = (
+            f" on the fewest blocks that fit ({s.checkpoint_blocks} of {model.num_layers})"
+            if s.checkpoint_blocks is not None
+            else ""
+        )
+        if need:
+            said.append(f"{s.checkpointing} checkpointing{blocks}: without it {need}")
+    if s.offload_activations:
+        need = without(offload_activations=False)
+        if need:
+            said.append(f"activations in host memory: on the GPU {need}")
+    if s.micro_batch < 64:
+        larger = without(micro_batch=s.micro_batch * 2, grad_accum=max(1, s.grad_accum // 2))
+        if larger and s.grad_accum > 1:
+            said.append(f"micro-batch {s.micro_batch * 2} would need {larger}")
+    return "; ".join(said)
 
 
 def rank_goals(
