@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -276,6 +277,8 @@ def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, f
                 step_s=step_s,
                 tokens_per_s=tokens / step_s,
                 peak_bytes=torch.cuda.max_memory_allocated(),
+                # what the caching allocator held at most: the peak and what it cannot hand out
+                peak_reserved_bytes=torch.cuda.max_memory_reserved(),
                 time_error=predicted.total_s / step_s - 1,
                 peak_error=planned.peak_bytes / torch.cuda.max_memory_allocated() - 1,
             )
@@ -399,7 +402,7 @@ def main() -> None:
             _save_partial(args, records)
     run = {
         "benchmark": "time_model",
-        "env": environment(),
+        "env": {**environment(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")},
         "gpu_capacity_bytes": torch.cuda.get_device_properties(0).total_memory,
         "warmup": args.warmup,
         "repeat": args.repeat,

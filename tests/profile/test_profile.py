@@ -81,6 +81,7 @@ def test_fp32_breakdown_matches_tensor_accounting(tmp_path):
     assert m.breakdown["runtime_overhead"] == 0
     assert m.peak_allocated_bytes is None and m.peak_reserved_bytes is None
     assert m.phase_peaks == {} and m.timeline is None
+    assert m.phase_reserved == {} and m.fragmentation == {}
     assert m.device == "cpu" and m.steps == 1
     assert m.total_bytes == sum(m.breakdown.values())
     # the measurement's steps trained and freed their gradients, as train_step does
@@ -257,6 +258,11 @@ def test_profile_on_cuda(tmp_path, checkpointing):
     assert m.total_bytes == pytest.approx(peak, rel=0.1)
     assert set(m.phase_peaks) == {"forward", "backward", "optimizer"}
     assert max(m.phase_peaks.values()) <= peak
+    # what the caching allocator holds per phase: at least what is allocated, at most its peak
+    assert set(m.phase_reserved) == set(m.phase_peaks)
+    for phase, reserved in m.phase_reserved.items():
+        assert m.phase_peaks[phase] <= reserved <= m.peak_reserved_bytes
+        assert m.fragmentation[phase] == (reserved - m.phase_peaks[phase]) / m.phase_peaks[phase]
     assert m.timeline is not None and not m.timeline.truncated
     assert [name for name, _, _ in m.timeline.phases] == ["forward", "backward", "optimizer"]
     # the timeline covers the last step, whose phases cover all of it but the inputs' copy
@@ -266,6 +272,7 @@ def test_profile_on_cuda(tmp_path, checkpointing):
     png = tmp_path / "timeline.png"
     config = cuda_config(tmp_path, "cli", checkpointing)
     assert run_profile(config, console, steps=1, png=str(png)) == 0
+    assert "backward: reserved - allocated" in console.export_text(clear=False)
     if HAS_MATPLOTLIB:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:

@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -361,3 +362,23 @@ def test_preflight_refuses_what_cannot_fit_and_says_what_would():
     assert message.startswith("llama-2-7b (bf16, mb 2, seq 2048, ckpt none, zero 3 x 2 GPUs)")
     assert "it cannot fit" in message and "single changes that fit: " in message
     assert "--zero 3 on 16 GPUs (" in message  # the planner's cheapest single change here
+
+
+def test_the_engine_asks_for_expandable_segments_unless_told_otherwise(monkeypatch):
+    """Before CUDA's allocator starts, the engine sets PYTORCH_CUDA_ALLOC_CONF to expandable
+    segments (less memory held beyond the allocated peak: BENCHMARKS.md); an allocator setting
+    of the user's is left as it is, and said whether it asks for them."""
+    from memfit.train.engine import EXPANDABLE_SEGMENTS, use_expandable_segments
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == EXPANDABLE_SEGMENTS
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    assert not use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # (too late to ask)
+    assert not use_expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

@@ -79,6 +79,17 @@ def measurement_table(
     planned_phases = getattr(plan, "phases", None) or {}
     for phase in PHASES:
         row(f"{phase} peak", measurement.phase_peaks.get(phase), planned_phases.get(phase))
+    fragmentation = measurement.fragmentation
+    if fragmentation:
+        table.add_section()
+        for phase in PHASES:
+            if phase in fragmentation:
+                held = measurement.phase_reserved[phase] - measurement.phase_peaks[phase]
+                table.add_row(
+                    f"{phase}: reserved - allocated",
+                    f"{format_bytes(held)} ({fragmentation[phase]:.1%})",
+                    *(["", ""] if plan is not None else []),
+                )
     return table
 
 

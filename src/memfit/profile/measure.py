@@ -106,10 +106,23 @@ class MemoryMeasurement:
     host_bytes: int = 0
     """Offload: host memory of this rank's fp32 master shards, their gradients and the optimizer
     states (read off the tensors)."""
+    phase_reserved: dict[str, int] = field(default_factory=dict)
+    """Peak reserved bytes (torch.cuda.max_memory_reserved) in each phase of the last step; what
+    the caching allocator holds beyond the allocated peak is `fragmentation`. Empty on CPU."""
 
     @property
     def total_bytes(self) -> int:
         return sum(self.breakdown.values())
+
+    @property
+    def fragmentation(self) -> dict[str, float]:
+        """Per phase, (peak reserved - peak allocated) / peak allocated: the memory the caching
+        allocator holds in blocks it cannot hand out (split, or cached for other sizes)."""
+        return {
+            phase: (self.phase_reserved[phase] - peak) / peak
+            for phase, peak in self.phase_peaks.items()
+            if phase in self.phase_reserved and peak
+        }
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -120,6 +133,8 @@ class MemoryMeasurement:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "phase_peaks": dict(self.phase_peaks),
+            "phase_reserved": dict(self.phase_reserved),
+            "fragmentation": self.fragmentation,
             "host_bytes": self.host_bytes,
             "notes": list(self.notes),
         }
@@ -279,6 +294,7 @@ class _LastStepObserver(StepObserver):
         self.cuda = self.device.type == "cuda"
         self.timeline = timeline
         self.phase_peaks: dict[str, int] = {}
+        self.phase_reserved: dict[str, int] = {}
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.forward_start = 0
@@ -288,11 +304,12 @@ class _LastStepObserver(StepObserver):
         self.grads = 0
         self.optimizer_states = 0
 
-    def _read_peaks(self) -> int:
+    def _read_peaks(self) -> tuple[int, int]:
         allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
         self.peak_allocated = max(self.peak_allocated, allocated)
-        self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.device))
-        return allocated
+        self.peak_reserved = max(self.peak_reserved, reserved)
+        return allocated, reserved
 
     def begin(self, phase: str) -> None:
         if self.timeline is not None:
@@ -305,7 +322,9 @@ class _LastStepObserver(StepObserver):
 
     def end(self, phase: str) -> None:
         if self.cuda:
-            self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self._read_peaks())
+            allocated, reserved = self._read_peaks()
+            self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), allocated)
+            self.phase_reserved[phase] = max(self.phase_reserved.get(phase, 0), reserved)
         if self.timeline is not None:
             self.timeline.mark(f"{phase}:end")
 
@@ -441,6 +460,7 @@ def measure_memory(
         peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved,
         phase_peaks=dict(observer.phase_peaks),
+        phase_reserved=dict(observer.phase_reserved),
         device=_device_name(device),
         steps=steps,
         timeline=recorded,
