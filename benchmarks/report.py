@@ -1273,7 +1273,9 @@ def time_model_table(run: dict) -> str:
     fitted to, each step against today's time model and the one of the run."""
     lines = [
         _env_line(run, "eager blocks, random weights, median of 5 steps after 3.")
-        + " Each run on a machine of its own (the one H100 each lent), its start in UTC."
+        + " Each run on a machine of its own (the one H100 each lent; those started at 19:48"
+        " and 19:50 shared one: the allocator's default, then expandable segments), its start"
+        " in UTC."
         " Predicted: today's time model (fitted to the designed set, not to these) and, in"
         " brackets, the one the run had.",
         "",
@@ -1321,10 +1323,11 @@ def adaptive_table(run: dict) -> str:
     """benchmarks/time_model.py --parts adaptive: --checkpointing auto against every block."""
     lines = [
         _env_line(run, "eager blocks, random weights, median of 5 steps after 3.")
-        + " Without checkpointing neither fits the GPU.",
+        + " Without checkpointing neither fits the GPU. The runs started at 19:48 and 19:50"
+        " shared a machine (the allocator's default, then expandable segments).",
         "",
-        "| model | seq x micro-batch | checkpointing | what it ran | tokens/s | vs full | peak GiB (predicted) |",
-        "|---|---|---|---|---|---|---|",
+        "| model | seq x micro-batch | run (UTC) | checkpointing | what it ran | tokens/s | vs full | peak GiB (predicted) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     records = _time_model_records(run, "adaptive")
     for r in records:
@@ -1335,17 +1338,18 @@ def adaptive_table(run: dict) -> str:
             what += f", first {blocks} blocks" if blocks is not None else ", every block"
         if "step_s" not in r:
             lines.append(
-                f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {r['checkpointing']} | "
-                f"{what} | {r['error'][:40]} | - | - |"
+                f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {r['started']} | "
+                f"{r['checkpointing']} | {what} | {r['error'][:40]} | - | - |"
             )
             continue
         full = next(
             x for x in records
             if x["model"] == r["model"] and x["checkpointing"] == "full" and "step_s" in x
+            and x["started"] == r["started"]
         )  # fmt: skip
         lines.append(
-            f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {r['checkpointing']} | "
-            f"{what} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
+            f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {r['started']} | "
+            f"{r['checkpointing']} | {what} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
             f"{r['peak_bytes'] / 2**30:.1f} ({r['predicted_peak_bytes'] / 2**30:.1f}) |"
         )
     return "\n".join(lines)

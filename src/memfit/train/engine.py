@@ -120,8 +120,8 @@ EXPANDABLE_SEGMENTS = "expandable_segments:True"
 """The caching allocator's setting the engine asks for unless PYTORCH_CUDA_ALLOC_CONF says
 otherwise: segments that grow in place instead of blocks cut from fixed ones. Measured on an
 H100 over 16 training configurations (benchmarks/results/time_model.json): the reserved peak
-0.2-3.2% over the allocated one (mean 3.8%) against 1.9-9.7% (mean 7.2%) without, at the same
-step times."""
+0.2-3.2% over the allocated one (17-21% for two; mean 3.8%) against 1.9-22% (mean 7.2%)
+without, at the same step times."""
 
 
 def use_expandable_segments() -> bool:
