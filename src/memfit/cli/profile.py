@@ -87,7 +87,7 @@ def measurement_table(
                 held = measurement.phase_reserved[phase] - measurement.phase_peaks[phase]
                 table.add_row(
                     f"{phase}: reserved - allocated",
-                    f"{format_bytes(held)} ({fragmentation[phase]:.1%})",
+                    f"{format_bytes(held)} ({fragmentation[phase]:.1%} of the peak)",
                     *(["", ""] if plan is not None else []),
                 )
     return table

@@ -107,8 +107,8 @@ class MemoryMeasurement:
     """Offload: host memory of this rank's fp32 master shards, their gradients and the optimizer
     states (read off the tensors)."""
     phase_reserved: dict[str, int] = field(default_factory=dict)
-    """Peak reserved bytes (torch.cuda.max_memory_reserved) in each phase of the last step; what
-    the caching allocator holds beyond the allocated peak is `fragmentation`. Empty on CPU."""
+    """Peak reserved bytes (torch.cuda.max_memory_reserved) in each phase of the last step. Empty
+    on CPU."""
 
     @property
     def total_bytes(self) -> int:
@@ -116,12 +116,18 @@ class MemoryMeasurement:
 
     @property
     def fragmentation(self) -> dict[str, float]:
-        """Per phase, (peak reserved - peak allocated) / peak allocated: the memory the caching
-        allocator holds in blocks it cannot hand out (split, or cached for other sizes)."""
+        """Per phase, (peak reserved - peak allocated) over the step's peak allocated: what the
+        caching allocator holds beyond what is allocated. At the phase of the step's peak that
+        is its fragmentation (split blocks, blocks cached for other sizes), what the GPU must
+        hold beyond the planned peak; in a later phase it is also the cache of what the earlier
+        ones freed (reusable, and given back before an allocation fails)."""
+        peak = self.peak_allocated_bytes
+        if not peak:
+            return {}
         return {
-            phase: (self.phase_reserved[phase] - peak) / peak
-            for phase, peak in self.phase_peaks.items()
-            if phase in self.phase_reserved and peak
+            phase: (self.phase_reserved[phase] - allocated) / peak
+            for phase, allocated in self.phase_peaks.items()
+            if phase in self.phase_reserved
         }
 
     def to_json(self) -> dict[str, Any]:
