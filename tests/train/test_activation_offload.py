@@ -209,6 +209,41 @@ def test_a_saved_tensor_comes_back_with_its_strides():
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
 
 
+class _SavesPadded(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        rows, cols = x.shape
+        padded = torch.empty_strided((rows, cols), (cols + 4, 1), dtype=x.dtype)  # (Inductor's)
+        padded.copy_(x)
+        ctx.save_for_backward(padded)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (padded,) = ctx.saved_tensors
+        assert padded.stride() == (padded.shape[1] + 4, 1)  # (a compiled backward checks them)
+        return grad * 2
+
+
+def test_a_saved_tensor_with_padded_rows_comes_back_padded():
+    """Compiled blocks pad rows (1376 columns in rows of 1408) and their backward checks the
+    strides of what they saved: the buffer keeps them (a span 1/8 larger at most)."""
+    from memfit.train.checkpointing import offload_saved_tensors
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return _SavesPadded.apply(x)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block()])
+    offload = ActivationOffload("cpu", min_bytes=1)
+    offload_saved_tensors(model, offload)
+    x = torch.randn(16, 36, requires_grad=True)
+    model.layers[0](x).sum().backward()
+    assert offload.bytes_offloaded == 16 * 36 * 4
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
 def test_expanded_and_sliced_saved_tensors_come_back_dense():
     from memfit.train.checkpointing import offload_saved_tensors
 

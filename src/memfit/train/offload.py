@@ -162,8 +162,8 @@ class ActivationOffload:
                 x.copy_(host, non_blocking=True)
                 block.copied_in = torch.cuda.Event()
                 block.copied_in.record(self.stream)
-        else:
-            x = host.clone()
+        else:  # (clone would make a padded layout dense)
+            x = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype).copy_(host)
         block.device_copy = x
         self._give_back(block.pooled)
 
@@ -173,9 +173,10 @@ class ActivationOffload:
         free = self._free.get(_layout(like))
         if free:
             return free.pop()
-        # its strides too where they are a permutation of a dense layout: a compiled block's
-        # backward expects each saved tensor's (a transposed view comes back transposed); an
-        # expanded or sliced view comes back dense (its own strides would overlap or span gaps)
+        # its strides too where they lay it out densely or with padded rows: a compiled block's
+        # backward expects each saved tensor's (a transposed view comes back transposed, a padded
+        # one padded); an expanded or sliced view comes back dense (its own strides would overlap
+        # or span gaps)
         _, strides, _ = _layout(like)
         host = torch.empty_strided(
             like.shape,
@@ -189,15 +190,26 @@ class ActivationOffload:
         return host
 
 
+PADDING_ALLOWED = 1 / 8
+"""How much larger than its elements a saved tensor's span may be for its strides to be kept:
+compiled code pads rows (Inductor: 1376 columns a row of 1408) and its backward checks the
+strides; a view that spans more (a slice of a wider tensor) comes back dense instead."""
+
+
 def _layout(x: Tensor) -> tuple:
-    """What a pooled buffer for `x` must match: shape, dtype, and strides if they are a
-    permutation of a dense layout's (None otherwise: the buffer is contiguous)."""
-    expected, dense = 1, True
+    """What a pooled buffer for `x` must match: shape, dtype, and strides where they lay the
+    elements out without overlap in a span at most PADDING_ALLOWED larger than their count (a
+    permutation of a dense layout, or one with padded rows); None otherwise: the buffer is
+    contiguous."""
+    expected, fits = 1, True
     for stride, size in sorted(
         (st, n) for n, st in zip(x.shape, x.stride(), strict=True) if n != 1
     ):
-        dense, expected = dense and stride == expected, expected * size
-    return tuple(x.shape), x.stride() if dense else None, x.dtype
+        fits = fits and stride >= expected
+        expected = stride * size
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True) if n)
+    fits = fits and x.numel() > 0 and span <= (1 + PADDING_ALLOWED) * x.numel()
+    return tuple(x.shape), x.stride() if fits else None, x.dtype
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
