@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import statistics
@@ -44,6 +43,7 @@ import torch
 from harness import append_results, environment, time_calls
 from rich.console import Console
 from rich.table import Table
+from train_step import free_memory, random_batches
 
 from memfit.config import build_config
 from memfit.models.config import from_hf_config
@@ -203,19 +203,6 @@ def model_spec(name: str, folder: Path) -> tuple[str, dict | None]:
     return str(path), config
 
 
-def random_batches(vocab: int, micro_batch: int, seq_len: int, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=generator)
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-
-
 def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, folder, warmup,
             repeat, grad_accum=1, checkpoint_blocks=None) -> dict:  # fmt: skip
     """One configuration's record: what it is, what the planner predicted, what it measured."""
@@ -265,7 +252,7 @@ def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, f
                 },
                 predicted_peak_bytes=planned.peak_bytes,
             )
-            trainer.batches = random_batches(model.vocab_size, micro_batch, seq_len)
+            trainer.batches = random_batches(model.vocab_size, micro_batch, 0, seq_len)
             trainer.train_step()  # (the optimizer's states are made in the first step)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

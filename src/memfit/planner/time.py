@@ -194,9 +194,8 @@ def host_seconds(model: ModelConfig, strategy: Strategy) -> float:
     micro-batch HOST_SECONDS_PER_BLOCK of its checkpointing (selective's policy sees every
     operation of the forward and of its rerun)."""
     checked = memory.checkpointed_blocks(model, strategy)
-    mode = strategy.checkpointing if strategy.checkpointing != "none" else "none"
     per_micro_batch = (
-        checked * HOST_SECONDS_PER_BLOCK[mode]
+        checked * HOST_SECONDS_PER_BLOCK[strategy.checkpointing]
         + (model.num_layers - checked) * HOST_SECONDS_PER_BLOCK["none"]
     )
     return HOST_SECONDS_PER_STEP + strategy.grad_accum * per_micro_batch
