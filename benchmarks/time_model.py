@@ -5,12 +5,14 @@ checkpointing against full, and `--recommend`'s top three on models from 0.5B to
     python benchmarks/time_model.py --parts fit held_out      # the time model's measurements
     python benchmarks/time_model.py --parts adaptive          # --checkpointing auto vs full
     python benchmarks/time_model.py --parts recommend         # --auto's choice vs its runners-up
+    python benchmarks/time_model.py --parts fp32_parts        # what --fp32-parts costs
 
 Every configuration runs through memfit's Trainer as `memfit train --model CONFIG.json` would
 (random weights, the model given as a Hugging Face config.json), with random tokens, compile
 off (blocks compiled change a step by 1-4%: train_step.json), `--attention auto`. Step time:
 the median of `--repeat` optimizer steps after `--warmup` (wall clock, synchronized). Peak:
-torch.cuda.max_memory_allocated over the timed steps. Each record keeps the model's config and
+torch.cuda.max_memory_allocated over the timed steps. Host speed: `host_block_s`
+(planner.time.measure_host_block_seconds) just before the timed steps. Each record keeps the model's config and
 the Strategy the trainer ran (`Trainer.strategy()`), so that the time model can be refitted and
 rescored offline (benchmarks/fit_time_model.py), and what the planner predicted when it ran.
 A configuration that runs out of memory, or that memfit refuses, is recorded as such.
@@ -25,6 +27,9 @@ Parts:
   Mistral), full size, 135M to 7.6B parameters, five with 128k+ vocabularies.
 - adaptive: on llama-1b and llama-3.2-3b shapes where no checkpointing does not fit an H100,
   `--checkpointing auto` against full and selective checkpointing of every block.
+- fp32_parts: `--fp32-parts` on llama-1b (32k vocabulary) and Llama-3.2-1B (128k): the head,
+  the last block, the first and the last, two of each, by checkpointing, against bf16 alone;
+  in fp16; and with the fp32 products in TF32 (`--fp32-matmul tf32`).
 - recommend: `memfit plan --recommend`'s first three strategies (tokens per step 2^16) for five
   models from 0.5B to 8B, each run: is the first the fastest measured, within 10%?
 """
@@ -37,6 +42,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -46,7 +52,10 @@ from rich.table import Table
 from train_step import free_memory, random_batches
 
 from memfit.config import build_config
-from memfit.models.config import from_hf_config
+from memfit.functional import rotary_cos_sin
+from memfit.models.config import ModelConfig, from_hf_config
+from memfit.models.llama import build_model
+from memfit.nn import AttentionMetadata
 from memfit.planner import detect_gpu, plan, step_time
 from memfit.train.engine import ConfigError, Trainer
 
@@ -188,7 +197,64 @@ RECOMMEND_MODELS = [
 ]
 RECOMMEND_TOKENS_PER_STEP = 2**16
 
+# `--fp32-parts` (issue 20, item 4): what keeping the ends of a model in fp32 costs, against the
+# plan's price, with its products in fp32 and in tf32 (`--fp32-matmul`)
+FP32_PARTS = [
+    (name, 2048, 4, mode, "bf16", {"fp32_parts": parts})
+    for name in ("llama-1b", "Llama-3.2-1B")
+    for mode in ("none", "full")
+    for parts in ("", "head", "last:1,head", "first:1,last:1,head", "first:2,last:2,head")
+] + [
+    ("llama-1b", 2048, 4, "none", "fp16", {"fp32_parts": parts})
+    for parts in ("", "first:1,last:1,head")
+] + [
+    (name, 2048, 4, mode, "bf16", {"fp32_parts": parts, "fp32_matmul": "tf32"})
+    for name in ("llama-1b", "Llama-3.2-1B")
+    for mode in ("none", "full")
+    for parts in ("head", "first:1,last:1,head")
+]  # fmt: skip
+
 DISTRIBUTED_KEYS = ("zero", "offload")
+
+
+def measure_host_block_seconds(device: str = "cuda", rounds: int = 9, repeat: int = 8) -> float:
+    """This machine's host speed: the seconds one eager forward and backward of a small memfit
+    block (width 256, 64 tokens, bf16 autocast) takes, wall clock: the median over `rounds` of
+    the mean of `repeat` calls, after a warm-up. Its GPU work is a few microseconds a kernel,
+    so the host's Python, dispatch and launches set it: the same work, per operation, as a
+    training step's eager blocks. About 0.4 s on an H100's host. (Recorded beside each
+    configuration; not a predictor: on the lent H100s it moved 2.7-5.1 ms within one machine,
+    as the host-bound steps themselves moved up to 2x between repeats.)"""
+
+    config = ModelConfig(
+        vocab_size=256, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
+        intermediate_size=704, max_seq_len=64,
+    )  # fmt: skip
+    block = build_model(config, device=device, seed=0).layers[0]
+    x = torch.randn(1, 64, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    metadata = AttentionMetadata.causal(64, device)
+    cos, sin = rotary_cos_sin(metadata.positions, 64, config.rope_theta, device=device)
+
+    def once() -> None:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            y = block(x, cos, sin, metadata, None)
+        y.float().sum().backward()
+
+    def synchronize() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(5):
+        once()
+    synchronize()
+    means = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            once()
+        synchronize()
+        means.append((time.perf_counter() - start) / repeat)
+    return sorted(means)[rounds // 2]
 
 
 def model_spec(name: str, folder: Path) -> tuple[str, dict | None]:
@@ -254,6 +320,7 @@ def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, f
             )
             trainer.batches = random_batches(model.vocab_size, micro_batch, 0, seq_len)
             trainer.train_step()  # (the optimizer's states are made in the first step)
+            record["host_block_s"] = measure_host_block_seconds()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             times = time_calls(trainer.train_step, warmup=warmup, repeat=repeat, clock="wall")
@@ -367,7 +434,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--parts", nargs="+", default=["fit", "held_out"],
-        choices=["fit", "host", "held_out", "adaptive", "recommend"],
+        choices=["fit", "host", "held_out", "adaptive", "recommend", "fp32_parts"],
     )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
@@ -378,18 +445,29 @@ def main() -> None:
         raise SystemExit("benchmarks/time_model.py needs a CUDA GPU of the planner's catalog")
     console = Console(width=200)
     records: list[dict] = []
+    # the host's speed (planner.time.measure_host_block_seconds) before and after each part
+    host_block_s = [measure_host_block_seconds()]
+    console.print(f"host: {host_block_s[0] * 1e3:.2f} ms an eager block's forward and backward")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        parts = {"fit": FIT, "host": HOST, "held_out": HELD_OUT, "adaptive": ADAPTIVE}
+        parts = {
+            "fit": FIT, "host": HOST, "held_out": HELD_OUT, "adaptive": ADAPTIVE,
+            "fp32_parts": FP32_PARTS,
+        }  # fmt: skip
         for part in args.parts:
             if part == "recommend":
                 records += recommend_part(args, folder, console)
             else:
                 records += run_part(part, parts[part], args, folder, console)
+            host_block_s.append(measure_host_block_seconds())
             _save_partial(args, records)
     run = {
         "benchmark": "time_model",
-        "env": {**environment(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")},
+        "env": {
+            **environment(),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            "host_block_s": host_block_s,
+        },
         "gpu_capacity_bytes": torch.cuda.get_device_properties(0).total_memory,
         "warmup": args.warmup,
         "repeat": args.repeat,

@@ -178,6 +178,15 @@ class TrainSection(_Section):
     checkpoint_blocks: int | None = None
     """With checkpointing full or selective: how many blocks, the first ones, are checkpointed;
     the others keep their activations (less recompute, more memory). None: every block."""
+    fp32_parts: str = ""
+    """Parts that compute in fp32 while the rest runs in the compute dtype (bf16 or fp16),
+    comma-separated: head (the final norm, the output product and the loss), first:N and last:N
+    (the first and the last N blocks; first, last: one). '' : none. Their weights are the fp32
+    master weights themselves; memfit.train.precision.apply_fp32_parts says what runs how."""
+    fp32_matmul: Literal["fp32", "tf32"] = "fp32"
+    """How fp32 products run (the fp32 parts', an fp32 run's): fp32 on the CUDA cores, or tf32
+    on the tensor cores (inputs rounded to 10 mantissa bits, bf16 has 7; fp32 sums), about 4x
+    the rate on an H100 (torch.backends.cuda.matmul.allow_tf32)."""
     offload_activations: bool = False
     """Each block's input (with checkpointing full or selective), or else each tensor of at least
     1 MiB that a block saves, goes to pinned CPU memory during the forward and comes back one
@@ -234,6 +243,19 @@ class TrainSection(_Section):
                     "train.checkpoint_blocks with offload_activations is not supported yet: "
                     "offload checkpoints every block (drop checkpoint_blocks) or none"
                 )
+        if self.fp32_parts:
+            parts = parse_fp32_parts(self.fp32_parts)  # (refuses a malformed list)
+            if self.precision == "fp32":
+                raise ValueError(
+                    f"train.fp32_parts = {self.fp32_parts!r} with precision fp32: every part "
+                    "computes in fp32 already; drop one of them"
+                )
+            if self.master_weights == "none":
+                raise ValueError(
+                    f"train.fp32_parts = {self.fp32_parts!r} computes those parts from fp32 "
+                    "master weights, and master_weights = 'none' keeps bf16 ones: drop one of them"
+                )
+            del parts
         for name in ("beta1", "beta2", "momentum"):
             value = getattr(self, name)
             if not 0 <= value < 1:
@@ -422,6 +444,18 @@ class Config:
                 "torchrun), without --zero 3 and --offload for now: its adapters and their states "
                 "are a few MB, and the frozen base is stored once in the compute dtype on each GPU"
             )
+        if self.train.fp32_parts and (self.lora.rank or self.distributed.zero == 3):
+            holder = "LoRA's frozen base" if self.lora.rank else "ZeRO-3's gathered parameters"
+            raise ValueError(
+                f"train.fp32_parts = {self.train.fp32_parts!r}: {holder} are held in the compute "
+                "dtype, so those parts would compute from rounded weights; use it with full "
+                "training at --zero 0, 1 or 2"
+            )
+        if parse_fp32_parts(self.train.fp32_parts).head and self.distill.teacher:
+            raise ValueError(
+                "train.fp32_parts with head and a teacher: the distillation loss computes the "
+                "head's product in the compute dtype; keep first:N and last:N, drop head"
+            )
         if self.lora.rank and self.train.master_weights == "none":
             raise ValueError(
                 "with LoRA the frozen base is already stored in the compute dtype and the "
@@ -470,6 +504,61 @@ def check_parallelism(
             "GPUs), or plan it with --gpus N; on one GPU, --offload optimizer (or --zero 3 "
             "--offload params) keeps the optimizer (and the parameters) in CPU memory instead"
         )
+
+
+@dataclass(frozen=True)
+class Fp32Parts:
+    """The parts of a model that compute in fp32 under mixed precision (`train.fp32_parts`)."""
+
+    head: bool = False
+    first: int = 0
+    last: int = 0
+
+    def blocks(self, num_layers: int) -> list[int]:
+        """The indices of the fp32 blocks of a model of `num_layers` blocks (the first and the
+        last may overlap). Raises ValueError when a count exceeds the blocks."""
+        for name in ("first", "last"):
+            if getattr(self, name) > num_layers:
+                raise ValueError(
+                    f"fp32 parts {name}:{getattr(self, name)}, but the model has {num_layers} "
+                    "blocks"
+                )
+        return sorted({*range(self.first), *range(num_layers - self.last, num_layers)})
+
+    def __bool__(self) -> bool:
+        return self.head or self.first > 0 or self.last > 0
+
+    def __str__(self) -> str:
+        """The canonical spelling: 'first:2,last:1,head' ('' for none)."""
+        parts = [
+            f"{name}:{getattr(self, name)}" for name in ("first", "last") if getattr(self, name)
+        ]
+        return ",".join([*parts, *(["head"] if self.head else [])])
+
+
+def parse_fp32_parts(spec: str | Fp32Parts) -> Fp32Parts:
+    """'head,first:2,last:2' -> Fp32Parts(head=True, first=2, last=2); '' -> none."""
+    if isinstance(spec, Fp32Parts):
+        return spec
+    head, counts = False, {"first": 0, "last": 0}
+    for item in (t.strip() for t in spec.split(",") if t.strip()):
+        name, _, count = item.partition(":")
+        if name == "head" and not count:
+            head = True
+        elif name in counts and (not count or (count.isdigit() and int(count) > 0)):
+            counts[name] = max(counts[name], int(count or 1))
+        elif name in ("embed", "embedding"):
+            raise ValueError(
+                "fp32 parts: the embedding computes nothing (its lookup copies rows of the fp32 "
+                "master weights, and its gradient is summed in fp32); with first:N its rows "
+                "enter the first N blocks unrounded"
+            )
+        else:
+            raise ValueError(
+                f"fp32 parts: {item!r} is not one; give head, first:N and last:N (N >= 1), "
+                "comma-separated, e.g. 'head,first:1,last:1'"
+            )
+    return Fp32Parts(head=head, **counts)
 
 
 _SECTIONS = {

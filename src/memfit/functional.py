@@ -129,7 +129,8 @@ def attention(
     decode step with a cache sees every cached key). `window`, if set, also hides keys more than
     `window - 1` positions behind the query (Mistral's sliding window). `mask` (broadcastable to
     (batch, 1, seqlen_q, seqlen_k), bool, True where allowed) replaces both: a static KV cache's
-    mask (AttentionMetadata.cached); the flash backend takes no mask and hands such calls to sdpa.
+    mask (AttentionMetadata.cached); the flash backend takes no mask and hands such calls, and
+    fp32 ones, to sdpa.
     `metadata` (memfit.nn.AttentionMetadata) with a block table: k and v are a paged cache's
     block pools of one layer (num_blocks, block_size, heads_kv, head_dim), q holds the step's
     tokens flattened (1, tokens, heads_q, head_dim), each attending to its own sequence's blocks
@@ -152,8 +153,8 @@ def attention(
         )
     if metadata is not None and metadata.block_table is not None:
         backend = "paged"
-    elif mask is not None and backend == "flash":
-        backend = "sdpa"
+    elif backend == "flash" and (mask is not None or q.dtype == torch.float32):
+        backend = "sdpa"  # (a block computing in fp32 in a bf16 run: memfit.train.precision)
     if backend not in _ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; registered: {', '.join(_ATTENTION_BACKENDS)}"

@@ -130,6 +130,24 @@ def test_plan_prints_a_breakdown_and_json(capsys):
     assert "peak allocated" in capsys.readouterr().out
 
 
+def test_fp32_parts_from_the_command_line(tmp_path, capsys):
+    """`memfit plan --fp32-parts` prices them; `memfit train --fp32-parts` runs them (the run's
+    configuration records them); a malformed list exits 2 saying what it takes."""
+    assert main(["plan", "--micro-batch", "4", "--fp32-parts", "last,head", "--json"]) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--micro-batch", "4", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert fp32["strategy"]["fp32_parts"] == "last:1,head"
+    assert fp32["step_time"]["total_s"] > plain["step_time"]["total_s"]
+    run = tmp_path / "r"
+    common = ["train", "--steps", "1", "--seq-len", "32", "--micro-batch", "1", "--out", str(run)]
+    assert main([*common, "--precision", "bf16", "--fp32-parts", "head,first:1"]) == 0
+    saved = (run / "checkpoints" / "step_0000001" / "config.toml").read_text()
+    assert 'fp32_parts = "head,first:1"' in saved
+    assert main([*common, "--fp32-parts", "embed"]) == 2
+    assert "first N blocks unrounded" in capsys.readouterr().err.replace("\n", " ")
+
+
 def test_plan_that_does_not_fit_says_what_would(capsys):
     assert (
         main(["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "--checkpointing", "full"])

@@ -237,3 +237,45 @@ def _peak_of_steps(trainer, steps: int = 3) -> int:
     for _ in range(steps):
         trainer.train_step()
     return torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp32_parts_on_cuda(attention, compiled):
+    """The GPU twin of tests/train/test_fp32_parts.py: every part in fp32 under bf16 autocast
+    computes what the fp32 model does (cuBLAS, SDPA and memfit's Triton kernels in fp32; a
+    flash model's fp32 blocks take SDPA), compiled blocks too, their backward included (the
+    precision wrapper goes around the compiled forward: memfit.distributed.parallelize); the
+    ends and the head alone lie between bf16's error and none."""
+    from memfit.config import parse_fp32_parts
+    from memfit.distributed.parallelize import parallelize
+
+    config = ModelConfig(
+        vocab_size=1000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=704, max_seq_len=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 1000, (2, 301), device="cuda")
+
+    def run(parts):
+        model = build_model(config, device="cuda", attention=attention, seed=0)
+        parallelize(
+            model, checkpointing="none", compile=compiled, zero=0, param_groups=[],
+            param_dtype=torch.bfloat16, fp32_parts=parse_fp32_parts(parts or ""),
+        )  # fmt: skip
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=parts is not None):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        return loss.detach(), grads
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    exact = run(None)
+    everything = run("first:4,head")
+    torch.testing.assert_close(everything[0], exact[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(everything[1], exact[1], rtol=1e-4, atol=1e-5)
+    errors = []
+    for parts in ("", "first:1,last:1,head"):
+        loss, grads = run(parts)
+        errors.append(((loss - exact[0]).abs().item(), ((grads - exact[1]).norm()).item()))
+    assert errors[1][0] < errors[0][0] and errors[1][1] < errors[0][1], errors

@@ -103,6 +103,19 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "in the backward",
     )
     p.add_argument(
+        "--fp32-parts",
+        metavar="PARTS",
+        help="parts that compute in fp32 under bf16/fp16: head, first:N, last:N, "
+        "comma-separated (e.g. head,first:1,last:1); fp32 products run far slower, so "
+        "`memfit plan --fp32-parts` prices it first",
+    )
+    p.add_argument(
+        "--fp32-matmul",
+        choices=["fp32", "tf32"],
+        help="how fp32 products run (the fp32 parts', an fp32 run's): fp32 (default) or tf32 on "
+        "the tensor cores, about 4x faster on an H100 with 10-bit mantissa inputs",
+    )
+    p.add_argument(
         "--reduce-dtype", choices=["fp32", "bf16"], help="dtype of the gradient collectives"
     )
     p.add_argument("--attention", choices=["auto", "flash", "sdpa", "eager"])
@@ -395,6 +408,8 @@ _TRAIN_FLAGS = {
     "checkpointing": ("train", "checkpointing"),
     "checkpoint_blocks": ("train", "checkpoint_blocks"),
     "offload_activations": ("train", "offload_activations"),
+    "fp32_parts": ("train", "fp32_parts"),
+    "fp32_matmul": ("train", "fp32_matmul"),
     "optimizer": ("train", "optimizer"),
     "master_weights": ("train", "master_weights"),
     "lr": ("train", "lr"),

@@ -46,7 +46,8 @@ PLAN_DEFAULTS = {
     "model": "llama-1b", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
     "checkpointing": "none", "checkpoint_blocks": None, "optimizer": "adamw",
     "attention_pattern": "", "pattern_layers": "all", "master_weights": "fp32", "zero": 0,
-    "offload": "none", "offload_activations": False, "lora_rank": 0,
+    "offload": "none", "offload_activations": False, "fp32_parts": "", "fp32_matmul": "fp32",
+    "lora_rank": 0,
     "lora_targets": "all-linear", "lora_dropout": 0.0, "quantize_base": "none", "teacher": None,
     "teacher_quantize": "none", "distill_kind": "kl", "distill_temperature": 1.0,
 }  # fmt: skip
@@ -60,6 +61,7 @@ CONFIG_KEYS = {
     "pattern_layers": ("model", "pattern_layers"),
     "optimizer": ("train", "optimizer"), "master_weights": ("train", "master_weights"),
     "offload_activations": ("train", "offload_activations"),
+    "fp32_parts": ("train", "fp32_parts"), "fp32_matmul": ("train", "fp32_matmul"),
     "zero": ("distributed", "zero"), "offload": ("distributed", "offload"),
 }  # fmt: skip
 # the fine-tuning flags, as `memfit train` names them (cli/main.py's _TRAIN_FLAGS)
@@ -266,6 +268,10 @@ def train_command(model: str, strategy: Strategy) -> str:
         parts.append(f"--master-weights {strategy.master_weights}")
     if strategy.offload_activations:
         parts.append("--offload-activations")
+    if strategy.fp32_parts:
+        parts.append(f"--fp32-parts {strategy.fp32_parts}")
+    if strategy.fp32_matmul != "fp32":
+        parts.append(f"--fp32-matmul {strategy.fp32_matmul}")
     if strategy.lora_rank:
         parts.append(f"--lora-rank {strategy.lora_rank}")
         if strategy.lora_targets != LORA_TARGETS:
@@ -330,6 +336,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         zero=args.zero,
         offload=args.offload,
         offload_activations=args.offload_activations,
+        fp32_parts=args.fp32_parts,
+        fp32_matmul=args.fp32_matmul,
         world_size=args.gpus,
         **fields,
     )
@@ -599,6 +607,16 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         action="store_true",
         default=None,
         help="activations in pinned CPU memory (with --checkpointing: the block inputs)",
+    )
+    p.add_argument(
+        "--fp32-parts",
+        metavar="PARTS",
+        help="parts computing in fp32 under bf16/fp16: head, first:N, last:N (comma-separated)",
+    )
+    p.add_argument(
+        "--fp32-matmul",
+        choices=["fp32", "tf32"],
+        help="how fp32 products run: fp32 (default) or tf32 on the tensor cores",
     )
     p.add_argument(
         "--host-cpus",

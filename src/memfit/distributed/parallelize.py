@@ -6,6 +6,9 @@
     2. torch.compile              each block's forward (not its call: module hooks stay outside)
        activation offload         without checkpointing: saved-tensor hooks around the compiled
                                   forward move the block's large saved tensors to CPU memory
+       fp32 parts                 the blocks (and ends) kept in fp32 compute run all of the
+                                  above with autocast off (memfit.train.precision), so that
+                                  a compiled graph's backward and a rerun are fp32 too
     3. parameter sharding         ZeRO-3: module hooks around each block's call gather and
                                   release its parameters (distributed.sharding)
 
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from memfit.config import Fp32Parts
 from memfit.distributed.sharding import ShardedParameters, shard_parameters
 from memfit.train.checkpointing import (
     CheckpointingMode,
@@ -29,6 +33,7 @@ from memfit.train.checkpointing import (
     offload_saved_tensors,
 )
 from memfit.train.offload import ActivationOffload
+from memfit.train.precision import apply_fp32_parts
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -67,6 +72,7 @@ def parallelize(
     offload_params: bool = False,
     process_group: dist.ProcessGroup | None = None,
     offload_activations: ActivationOffload | None = None,
+    fp32_parts: Fp32Parts | None = None,
 ) -> ShardedParameters | None:
     """Apply the techniques to `model` in place, in the order of the module docstring. Returns
     the ZeRO-3 sharding (for the optimizer side), or None below stage 3."""
@@ -81,6 +87,8 @@ def parallelize(
         apply_compile(model)
     if offload_saved is not None:  # (around the compiled forward: memfit.train.checkpointing)
         offload_saved_tensors(model, offload_saved)
+    if fp32_parts:
+        apply_fp32_parts(model, fp32_parts)
     if zero != 3:
         return None
     # each block is gathered on its own; the rest (embedding, final norm, output) with the model,

@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from memfit.config import check_parallelism
+from memfit.config import check_parallelism, parse_fp32_parts
 from memfit.models.config import ModelConfig, load_model_config
 from memfit.ops.quant.int4 import int4_group
 from memfit.optim.registry import get_optimizer, model_state_bytes
@@ -138,6 +138,11 @@ class Strategy:
     # inputs, or without checkpointing what the blocks save
     offload_activations: bool = False
     world_size: int = 1
+    # parts computing in fp32 under bf16/fp16 (`--fp32-parts`, memfit.config.parse_fp32_parts):
+    # "head", "first:N", "last:N", comma-separated; kept in their canonical spelling
+    fp32_parts: str = ""
+    # how fp32 products run (`--fp32-matmul`): fp32 on the CUDA cores, or tf32 on the tensor cores
+    fp32_matmul: Literal["fp32", "tf32"] = "fp32"
     # LoRA (memfit.nn.lora): adapters of this rank on a frozen base; 0 trains every weight
     lora_rank: int = 0
     # Hugging Face layer names (LORA_TARGETS), or ("all-linear",); a comma-separated string too
@@ -175,6 +180,18 @@ class Strategy:
             optimizer=self.optimizer,
             world_size=self.world_size,
         )
+        object.__setattr__(self, "fp32_parts", str(parse_fp32_parts(self.fp32_parts)))
+        if self.fp32_parts and (
+            self.precision == "fp32"
+            or self.master_weights == "none"
+            or self.lora_rank
+            or self.zero == 3
+        ):
+            raise ValueError(
+                f"fp32_parts {self.fp32_parts!r} computes those parts from fp32 master weights "
+                "in a bf16 or fp16 run: not with precision fp32, master_weights 'none', LoRA or "
+                f"ZeRO-3 (which hold the weights in the compute dtype): {self}"
+            )
         if self.master_weights == "none" and (
             self.precision != "bf16" or self.zero or self.offload != "none" or self.world_size > 1
         ):
@@ -261,6 +278,10 @@ class Strategy:
             parts.append(self.optimizer)
         if self.master_weights == "none":
             parts.append("bf16 weights, no masters")
+        if self.fp32_parts:
+            parts.append(f"fp32 {self.fp32_parts}")
+        if self.fp32_matmul != "fp32":
+            parts.append(f"fp32 products in {self.fp32_matmul}")
         if self.lora_rank:
             on = "" if self.lora_targets == LORA_TARGETS else f" on {','.join(self.lora_targets)}"
             parts.append(f"{self.goal}{on}")
@@ -508,6 +529,40 @@ def checkpointed_blocks(model: ModelConfig, strategy: Strategy) -> int:
     return blocks
 
 
+def fp32_blocks(model: ModelConfig, strategy: Strategy) -> set[int]:
+    """The indices of the blocks that compute in fp32 under `strategy.fp32_parts`."""
+    if not strategy.fp32_parts:
+        return set()
+    return set(parse_fp32_parts(strategy.fp32_parts).blocks(model.num_layers))
+
+
+def fp32_head(strategy: Strategy) -> bool:
+    """Whether the final norm, the output product and the loss compute in fp32."""
+    return parse_fp32_parts(strategy.fp32_parts).head
+
+
+def in_fp32(strategy: Strategy) -> Strategy:
+    """`strategy` for a part that computes in fp32 (memfit.train.precision.apply_fp32_parts)."""
+    return replace(strategy, precision="fp32", fp32_parts="")
+
+
+def block_activation_bytes(model: ModelConfig, strategy: Strategy) -> list[int]:
+    """What each block keeps for backward after its forward (per micro-batch), in order: the
+    first `checkpointed_blocks` in the checkpointing mode, the others none; an fp32 block's in
+    fp32 (`fp32_blocks`; the precision wrapper casts its input before the checkpoint keeps it,
+    and a block in the compute dtype after it rounds its input before its checkpoint)."""
+    checked = checkpointed_blocks(model, strategy)
+    fp32 = fp32_blocks(model, strategy)
+    return [
+        layer_activation_bytes(
+            model,
+            in_fp32(strategy) if i in fp32 else strategy,
+            strategy.checkpointing if i < checked else "none",
+        )
+        for i in range(model.num_layers)
+    ]
+
+
 def _lora_saved_bytes(model: ModelConfig, strategy: Strategy) -> int:
     """What adapters change of a block's saved tensors (LoRALinear.forward). A frozen product
     saves nothing of its input (its weight needs no gradient) and adapter A saves it instead, so a
@@ -698,22 +753,26 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     g = 2 if strategy.master_weights == "none" else 4
 
     # activations of one micro-batch at the end of its forward
-    per_layer = layer_activation_bytes(model, strategy)
     c = 4 if strategy.precision == "fp32" else 2
-    outside = c * T * s["h"] + 4 * T + 8 * T  # final norm input, its 1/rms, token ids
-    checked_activations = checked * per_layer + outside
-    activations = checked_activations + unchecked * layer_activation_bytes(model, plain)
+    fp32 = fp32_blocks(model, strategy)
+    head_fp32 = fp32_head(strategy)
+    c_out = 4 if head_fp32 or L - 1 in fp32 else c  # the final norm's input
+    outside = c_out * T * s["h"] + 4 * T + 8 * T  # final norm input, its 1/rms, token ids
+    kept = block_activation_bytes(model, strategy)
+    checked_activations = sum(kept[:checked]) + outside
+    activations = checked_activations + sum(kept[checked:])
     offloaded = offloaded_bytes_per_layer(model, strategy)
     if offloaded:
         # in pinned CPU memory; on the GPU two layers' at most: one being copied out (or, in
         # backward, the block's own) and the next one coming back
         activations -= (L - min(L, 2)) * offloaded
     if teacher is None:
-        ce_saved, ce_transient = _cross_entropy(model, strategy)
+        ce_saved, ce_transient = _cross_entropy(model, in_fp32(strategy) if head_fp32 else strategy)
     else:
         ce_saved, ce_transient = _distillation_loss(model, strategy)
-    # (bf16 parameters: autocast has nothing to copy)
-    weight_copies = c_low * L * s["P_matmul_layer"] if strategy.master_weights == "fp32" else 0
+    # (bf16 parameters: autocast has nothing to copy; fp32 blocks take their weights as they are)
+    copied = [i for i in range(L) if i not in fp32] if strategy.master_weights == "fp32" else []
+    weight_copies = c_low * len(copied) * s["P_matmul_layer"]
     if lora:
         # a base in the compute dtype is not cast; the fp32 adapters are (kept for backward
         # without checkpointing)
@@ -782,13 +841,24 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     if strategy.fused_cross_entropy and not lora:
         grad_hidden = ce_saved - 4 * s["V"] * s["h"]
     kept_copies = weight_copies if strategy.zero == 3 else weight_copies * unchecked // L
-    transient = _layer_backward_transient(model, strategy)
+    if fp32:  # (the unchecked blocks that are not fp32 ones)
+        kept_copies = c_low * sum(i >= checked for i in copied) * s["P_matmul_layer"]
+
+    def transient_of(block: int, mode: Strategy) -> int:
+        """What block `block`'s backward adds, in its own precision (fp32 parts)."""
+        return _layer_backward_transient(model, in_fp32(mode) if block in fp32 else mode)
+
+    # the backward begins at the last block, ends at the first, and reruns the checkpointed ones
+    # after the unchecked ones: each phase's block in its precision
+    transient = transient_of(0, strategy)
+    plain_transient = transient_of(L - 1, plain)
+    last_transient = transient_of(L - 1, strategy)
+    rerun_transient = transient_of(max(checked - 1, 0), strategy)
     backward_first = phase(
         grads=grads_alive_in_forward or output_grad,
         activations=activations,
         logits_loss=grad_hidden,
-        temporaries=kept_copies
-        + (_layer_backward_transient(model, plain) if unchecked else transient),
+        temporaries=kept_copies + (plain_transient if unchecked else last_transient),
     )
     # ... and ends with every layer's activations and copies freed and its fp32 gradients made
     layer_grad = g * s["P_layer"] // (N if strategy.zero >= 2 else 1)
@@ -811,7 +881,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     backward_rerun = phase(
         grads=grads_alive_in_forward or min(grads, unchecked * layer_grad + output_grad),
         activations=checked_activations,
-        temporaries=(transient + (weight_copies if strategy.zero == 3 else 0))
+        temporaries=(rerun_transient + (weight_copies if strategy.zero == 3 else 0))
         if checked and unchecked
         else 0,
     )

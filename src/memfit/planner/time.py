@@ -33,7 +33,11 @@ from 0.5B to 8B, all within 10% where the GPU sets the pace (BENCHMARKS.md, "The
 - the host: 2.6 ms a block and micro-batch without checkpointing, 5.2 with full, 7.9 with
   selective (torch's selective-checkpoint policy sees every operation of the forward and of
   its rerun), and 14 ms a step. The host's speed moved host-bound steps by up to 2x between
-  machines of the same kind, so for the smallest models the model is good to about 35%.
+  machines of the same kind, and by up to 2x between repeats of one step on one machine, so
+  for the smallest models the model is good to about 35%. A host calibration timed before each
+  measurement (an eager block's forward and backward: 2.7-5.1 ms within one machine) followed
+  it only in part (host steps on two machines: rms 17% -> 12%; the host-bound held-out
+  models: 16% -> 26%), so the model keeps one host.
 Measured apart and fitted earlier (train_step.json, zero.json on H100 and H200 at 1 and 2 GPUs,
 llama-1b to llama-2-13b, and bandwidth.json):
 - NCCL's bus bandwidth on two H200s (NVLink 4, multicast off) was 243 GB/s for a 64 MiB
@@ -48,6 +52,12 @@ llama-1b to llama-2-13b, and bandwidth.json):
 On 4 and 8 GPUs the model assumes the bus bandwidth and the exposed part measured at 2: true of
 ring collectives on a switched NVLink node to first order (each GPU drives the same links), not
 yet measured here.
+
+fp32 parts (`--fp32-parts`, memfit.train.precision): their blocks' and head's products at the
+fp32 rate (`fp32_flops_per_s`: the dense bf16 rate / FP32_SLOWDOWN, or / TF32_SLOWDOWN with
+`--fp32-matmul tf32`), their weights not cast. 32 runs on an H100 (llama-1b and Llama-3.2-1B,
+the head to two blocks at each end, none and full checkpointing, bf16 and fp16, fp32 and tf32
+products): within -5% to +12% of the step, peaks within 1.7%.
 
 LoRA, QLoRA and distillation follow the engine's dataflow at the same rates (no constant fitted
 to their steps; the dequantizing kernels' rates measured on their own):
@@ -90,6 +100,11 @@ from memfit.planner.memory import (
 PEAK_EFFICIENCY = 0.749
 HALF_EFFICIENCY_WIDTH = 239
 FP32_SLOWDOWN = 21.2
+TF32_SLOWDOWN = 4.6
+"""fp32 products run at the dense bf16 rate / FP32_SLOWDOWN on the CUDA cores (fitted to fp16's
+loss gradients; the fp32 parts' blocks and head measured 49 TF/s on an H100, 1/20), or with
+`--fp32-matmul tf32` on the tensor cores at / TF32_SLOWDOWN (two fp32-parts runs on an H100:
+199 and 231 TF/s, time_model.json part fp32_parts)."""
 HBM_EFFICIENCY = 0.8
 NCCL_BUS_EFFICIENCY = 0.53
 COMMUNICATION_EXPOSED = 0.8
@@ -213,6 +228,53 @@ def _training_flops_parts(model: ModelConfig, strategy: Strategy) -> tuple[float
     return matmuls, attention
 
 
+def fp32_flops_per_s(gpu: GPU, strategy: Strategy) -> float:
+    """The rate of fp32 products: cuBLAS on the CUDA cores, or in TF32 on the tensor cores with
+    `fp32_matmul` tf32 (both near their peak at training sizes, whatever the model's width)."""
+    slowdown = TF32_SLOWDOWN if strategy.fp32_matmul == "tf32" else FP32_SLOWDOWN
+    return gpu.bf16_flops / slowdown
+
+
+def fp32_parts_seconds(model: ModelConfig, strategy: Strategy, gpu: GPU) -> float:
+    """What `--fp32-parts` adds to a step (memfit.train.precision): each fp32 block's products,
+    its recompute's too, at the fp32 rate (`fp32_flops_per_s`) and its attention at the CUDA
+    cores' (SDPA's fp32 kernel), where the step priced them at the bf16 rates; its elementwise
+    passes in 4-byte elements; the fp32 head's products (forward and both gradients) at the
+    fp32 rate. Less the weights the fp32 blocks do not cast (6 B per parameter and forward,
+    and their gradients come in fp32: 8 B where bf16 ones take 14)."""
+    if not strategy.fp32_parts:
+        return 0.0
+    fp32 = memory.fp32_blocks(model, strategy)
+    k, L = len(fp32), model.num_layers
+    checked = memory.checkpointed_blocks(model, strategy)
+    rechecked = sum(i < checked for i in fp32)
+    reruns = 0 if strategy.checkpointing == "none" else rechecked
+    tokens = strategy.micro_batch * strategy.seq_len * strategy.grad_accum
+    rate = gpu.bf16_flops * efficiency(model)
+    attention_rate = gpu.bf16_flops * attention_efficiency(model.head_dim)
+    fp32_rate = fp32_flops_per_s(gpu, strategy)
+    hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
+    attention_forward = model.spec.attention_forward_flops(strategy.seq_len)
+    block_matmul = model.spec.block_forward_flops(strategy.seq_len) - attention_forward
+    # per fp32 block and token: forward + backward (3 forwards), the rerun's forward
+    matmul = block_matmul * (3 * k + reruns) / L
+    rerun_attention = reruns if strategy.checkpointing == "full" else 0
+    attention = attention_forward * (3 * k + rerun_attention) / L
+    seconds = tokens * matmul * (1 / fp32_rate - 1 / rate)
+    seconds += tokens * attention * (FP32_SLOWDOWN / gpu.bf16_flops - 1 / attention_rate)
+    elementwise = elementwise_bytes_per_token(model) / L
+    seconds += tokens * elementwise * (k + reruns * FORWARD_ELEMENTWISE_SHARE) / hbm
+    if memory.fp32_head(strategy):
+        head = 6 * model.vocab_size * model.hidden_size
+        # (fp16 already runs the two gradient products in fp32: `step_time`)
+        bf16_share = 1 / 3 if strategy.precision == "fp16" else 1
+        seconds += tokens * head * bf16_share * (1 / fp32_rate - 1 / rate)
+    recast = rechecked if strategy.checkpointing == "full" else 0  # (`weight_traffic_bytes`)
+    saved = (6 + 14 - 8) * k + 6 * recast
+    seconds -= strategy.grad_accum * saved * model.spec.sizes["P_layer"] / hbm
+    return seconds
+
+
 def weight_traffic_bytes(strategy: Strategy, checked: float = 1.0) -> float:
     """HBM bytes per parameter per micro-batch that the model's weights and gradients move
     outside the matmuls. Stages 0-2 keep fp32 weights: autocast reads each (4 B) and writes a
@@ -330,8 +392,8 @@ def step_time(
     rate = gpu.bf16_flops * efficiency(model)
     attention_rate = gpu.bf16_flops * attention_efficiency(model.head_dim)
     if strategy.precision == "fp32":
-        rate /= FP32_SLOWDOWN
-        attention_rate /= FP32_SLOWDOWN
+        rate = fp32_flops_per_s(gpu, strategy)
+        attention_rate = gpu.bf16_flops / FP32_SLOWDOWN
     matmul_flops, attention_flops = _training_flops_parts(model, strategy)
     # the parameters whose weights and gradients the step casts, accumulates and updates
     P = adapter_params(model, strategy) if strategy.lora_rank else model.num_params
@@ -346,7 +408,8 @@ def step_time(
         # the fused loss's gradient products run in fp32 (fp16 cannot hold small softmax
         # values: memfit.ops.cross_entropy): the head's input and weight gradients
         head = 2 * model.vocab_size * model.hidden_size * (1 if strategy.lora_rank else 2)
-        compute += tokens * head * FP32_SLOWDOWN / gpu.bf16_flops
+        compute += tokens * head / fp32_flops_per_s(gpu, strategy)
+    compute += fp32_parts_seconds(model, strategy, gpu)
 
     # the blocks' forward is recomputed (not the embedding or the loss): 2 FLOPs per block
     # parameter plus attention's score and value products, which selective keeps instead

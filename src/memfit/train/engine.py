@@ -37,7 +37,14 @@ from typing import Any
 import torch
 
 import memfit.distributed.launch as launch
-from memfit.config import Config, TrainSection, check_parallelism, to_toml
+from memfit.config import (
+    Config,
+    Fp32Parts,
+    TrainSection,
+    check_parallelism,
+    parse_fp32_parts,
+    to_toml,
+)
 from memfit.distributed import ZeroOptimizer
 from memfit.distributed.parallelize import compiles_blocks, parallelize
 from memfit.functional import resolve_attention
@@ -163,6 +170,8 @@ class Trainer:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.precision = resolve_precision(train.precision, self.device)
+        if self.device.type == "cuda":  # (the process's setting: what the run asks)
+            torch.backends.cuda.matmul.allow_tf32 = train.fp32_matmul == "tf32"
         if (
             self.precision == "bf16"
             and self.device.type == "cuda"
@@ -259,6 +268,7 @@ class Trainer:
             window=self.model_config.some_window,
         )
         self.attention = attention
+        fp32_parts = self._fp32_parts()
         lora = config.lora.spec()
         gpu = None
         if self.device.type == "cuda":
@@ -329,6 +339,7 @@ class Trainer:
             param_dtype=DTYPES[self.precision],
             offload_params=offload == "params",
             offload_activations=self.activation_offload,
+            fp32_parts=fp32_parts,
         )
 
         self.loss_model: torch.nn.Module = self.model
@@ -803,8 +814,32 @@ class Trainer:
             checkpoint_blocks=train.checkpoint_blocks, optimizer=train.optimizer, master_weights=train.master_weights,
             attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
             offload_activations=train.offload_activations, world_size=self.world.world_size,
+            fp32_parts=train.fp32_parts if self.precision != "fp32" else "",
+            fp32_matmul=train.fp32_matmul,
             **fine_tuning_fields(self.config),
         )  # fmt: skip
+
+    def _fp32_parts(self) -> Fp32Parts | None:
+        """`train.fp32_parts`, checked against the model's blocks and said in the log (nothing to
+        do when the whole run computes in fp32)."""
+        spec = self.config.train.fp32_parts
+        if not spec:
+            return None
+        parts = parse_fp32_parts(spec)
+        if self.precision == "fp32":
+            logger.info("fp32 parts %s: this run computes every part in fp32 already", parts)
+            return None
+        try:
+            blocks = parts.blocks(self.model_config.num_layers)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.world.is_main:
+            what = [f"{len(blocks)} of {self.model_config.num_layers} blocks"] if blocks else []
+            logger.info(
+                "fp32 parts: %s compute in fp32, the rest in %s",
+                " and ".join([*what, *(["the head"] if parts.head else [])]), self.precision,
+            )  # fmt: skip
+        return parts
 
     def _choose_checkpointing(self, gpu: GPU | None) -> TrainSection:
         """`--checkpointing auto`: the planner's choice for this run on `gpu` (none, or selective

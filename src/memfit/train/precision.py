@@ -1,4 +1,4 @@
-"""Mixed precision: autocast contexts and the dynamic loss scaler for fp16.
+"""Mixed precision: autocast contexts, fp32 parts, and the dynamic loss scaler for fp16.
 
 - fp32: no autocast.
 - bf16: torch.autocast to bfloat16 with fp32 master weights (the parameters stay fp32; the
@@ -9,17 +9,27 @@
   the step; a step whose gradients hold inf/NaN is skipped (weights and optimizer untouched) and
   S is multiplied by `backoff_factor`; after `growth_interval` clean steps S grows by
   `growth_factor`.
+- fp32 parts (`--fp32-parts head,first:N,last:N`, `apply_fp32_parts`): under bf16 or fp16 those
+  parts compute in fp32 from the fp32 master weights, autocast off, as precision-sensitive ends
+  of a model are kept in higher precision (Megatron-LM's bf16 first and last layers under fp8,
+  transformers' `_keep_in_fp32_modules`). Between two fp32 parts the residual stream stays fp32
+  (the embedding's rows enter fp32 first blocks unrounded); a block in the compute dtype rounds
+  what it takes. Their cost: fp32 products run at a fraction of the bf16 rate, their activations
+  take twice the bytes, and no bf16 weight copies are made for them (memfit.planner prices it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
+from memfit.config import Fp32Parts
 from memfit.distributed.launch import agree
 
 logger = logging.getLogger(__name__)
@@ -44,6 +54,46 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def apply_fp32_parts(model: nn.Module, parts: Fp32Parts) -> nn.Module:
+    """Make `parts` of `model` (a memfit decoder: `embed_tokens`, `layers`, `output`) compute in
+    fp32 under autocast, in place: each fp32 block's forward (and with first:N the embedding's)
+    runs with autocast off on its input in fp32, and so does `output` with head; a block in the
+    compute dtype right after an fp32 one rounds its input to that dtype. Like activation
+    checkpointing, the wrapper replaces the instance's forward: the module tree and state_dict
+    are unchanged. Apply it after checkpointing and compile, around them: a compiled graph
+    traced inside autocast would trace its backward with autocast on (bf16 gradients of an
+    fp32 block), and a checkpoint then keeps the block's input in the block's precision."""
+    if not parts:
+        return model
+    layers = list(model.layers)
+    fp32 = set(parts.blocks(len(layers)))
+    if 0 in fp32:
+        model.embed_tokens = functools.partial(_in_fp32, model.embed_tokens)
+    for index, block in enumerate(layers):
+        if index in fp32:
+            block.forward = functools.partial(_in_fp32, block.forward)
+        elif index - 1 in fp32:
+            block.forward = functools.partial(_in_compute_dtype, block.forward)
+    if parts.head:
+        model.output = functools.partial(_in_fp32, model.output)
+    return model
+
+
+def _in_fp32(forward, x: Tensor, *args, **kwargs):
+    """forward(x, ...) with autocast off, a floating x in fp32 (token ids stay ids)."""
+    if x.is_floating_point():
+        x = x.float()
+    with torch.autocast(x.device.type, enabled=False):
+        return forward(x, *args, **kwargs)
+
+
+def _in_compute_dtype(forward, x: Tensor, *args, **kwargs):
+    """forward(x, ...) with x rounded to the autocast dtype (an fp32 part's output)."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return forward(x, *args, **kwargs)
 
 
 class DynamicLossScaler:

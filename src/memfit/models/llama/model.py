@@ -106,7 +106,7 @@ class Llama(nn.Module):
         `return_hidden` the final norm's output. `metadata` says where the tokens
         are (default: positions start_pos.., plain causal attention); `kv_cache` is written at its
         positions and, when it has a key_mask, read (memfit.inference)."""
-        batch, seqlen = tokens.shape
+        seqlen = tokens.shape[1]
         if metadata is None:
             if kv_cache is not None and start_pos + seqlen > kv_cache.max_seq_len:
                 raise ValueError(
@@ -125,9 +125,7 @@ class Llama(nn.Module):
                     f"sequence of {start_pos + seqlen} tokens exceeds twice the model's "
                     f"max_seq_len={self.config.max_seq_len}"
                 )
-        x = self.embed(tokens)  # (B, T, h)
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))  # residual stream in compute dtype
+        x = self.embed_tokens(tokens)  # (B, T, h)
         cos, sin = MF.rotary_cos_sin(
             metadata.positions,
             self.config.head_dim,
@@ -141,15 +139,32 @@ class Llama(nn.Module):
             x = x[:, -1:]
         elif logits_at is not None:
             x = x[:, logits_at]
+        return self.output(x, targets, return_hidden=return_hidden)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """The residual stream's start: the tokens' embedding rows, in the compute dtype under
+        autocast (the engine may run this, each block and `output` in a precision of their own:
+        memfit.train.precision.apply_fp32_parts)."""
+        x = self.embed(tokens)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return x
+
+    def output(
+        self, x: Tensor, targets: Tensor | None = None, *, return_hidden: bool = False
+    ) -> Tensor:
+        """The final norm and the output head over the last block's output x (batch, seqlen,
+        hidden): logits, with `targets` the summed cross-entropy, with `return_hidden` the
+        norm's output (the head's input, for a loss of the caller's: distillation)."""
         x = self.norm(x)
-        if return_hidden:  # the output head's input, for a loss of the caller's (distillation)
+        if return_hidden:
             return x
         if targets is None:
             if hasattr(self.lm_head, "quant"):  # an inference model's int8 head
                 return self.lm_head(x)
             return MF.linear(x, self.output_weight.to(x.dtype))  # (B, T, vocab)
         return MF.linear_cross_entropy(
-            x.reshape(batch * seqlen, -1), self.output_weight, targets.reshape(-1)
+            x.reshape(-1, x.shape[-1]), self.output_weight, targets.reshape(-1)
         )
 
     @torch.no_grad()
