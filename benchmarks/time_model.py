@@ -30,6 +30,9 @@ Parts:
 - fp32_parts: `--fp32-parts` on llama-1b (32k vocabulary) and Llama-3.2-1B (128k): the head,
   the last block, the first and the last, two of each, by checkpointing, against bf16 alone;
   in fp16; and with the fp32 products in TF32 (`--fp32-matmul tf32`).
+- capacity: configurations planned at 95-102% of an H100's memory, under the allocator
+  PYTORCH_CUDA_ALLOC_CONF names (default: expandable segments, as `memfit train` asks): what
+  it reserves beyond the allocated peak there, and which run out of memory.
 - recommend: `memfit plan --recommend`'s first three strategies (tokens per step 2^16) for five
   models from 0.5B to 8B, each run: is the first the fastest measured, within 10%?
 """
@@ -57,7 +60,7 @@ from memfit.models.config import ModelConfig, from_hf_config
 from memfit.models.llama import build_model
 from memfit.nn import AttentionMetadata
 from memfit.planner import detect_gpu, plan, step_time
-from memfit.train.engine import ConfigError, Trainer
+from memfit.train.engine import ConfigError, Trainer, use_expandable_segments
 
 
 def llama(hidden, layers, heads, kv_heads, intermediate, vocab, *, head_dim=None, tied=False,
@@ -214,6 +217,16 @@ FP32_PARTS = [
     for parts in ("head", "first:1,last:1,head")
 ]  # fmt: skip
 
+# the caching allocator at the GPU's capacity (issue 20, item 5): configurations whose planned
+# allocated peak is 95% to 102% of an H100's memory, each run (or out of memory), under the
+# allocator the run's PYTORCH_CUDA_ALLOC_CONF names: how much it reserves beyond the allocated
+# peak there, which the planner's slack must cover
+CAPACITY = (
+    [("llama-3.2-3b", seq, 4, "none", "bf16", {}) for seq in (3392, 3520, 3648, 3776, 3904)]
+    + [("llama-3.2-3b", seq, 8, "selective", "bf16", {}) for seq in (10752, 11264, 11648, 11904)]
+    + [("llama-1b", seq, 100, "full", "bf16", {}) for seq in (4248, 4408, 4504, 4568)]
+)
+
 DISTRIBUTED_KEYS = ("zero", "offload")
 
 
@@ -317,6 +330,7 @@ def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, f
                     k: v for k, v in dataclasses.asdict(predicted).items() if k.endswith("_s")
                 },
                 predicted_peak_bytes=planned.peak_bytes,
+                predicted_fits=planned.fits,
             )
             trainer.batches = random_batches(model.vocab_size, micro_batch, 0, seq_len)
             trainer.train_step()  # (the optimizer's states are made in the first step)
@@ -434,13 +448,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--parts", nargs="+", default=["fit", "held_out"],
-        choices=["fit", "host", "held_out", "adaptive", "recommend", "fp32_parts"],
+        choices=["fit", "host", "held_out", "adaptive", "recommend", "fp32_parts", "capacity"],
     )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--match", nargs="*", help="only configurations naming one of these")
     parser.add_argument("--out", help="a folder for the results (default benchmarks/results)")
     args = parser.parse_args()
+    use_expandable_segments()  # (as `memfit train` asks, before anything starts CUDA)
     if detect_gpu() is None:
         raise SystemExit("benchmarks/time_model.py needs a CUDA GPU of the planner's catalog")
     console = Console(width=200)
@@ -452,7 +467,7 @@ def main() -> None:
         folder = Path(tmp)
         parts = {
             "fit": FIT, "host": HOST, "held_out": HELD_OUT, "adaptive": ADAPTIVE,
-            "fp32_parts": FP32_PARTS,
+            "fp32_parts": FP32_PARTS, "capacity": CAPACITY,
         }  # fmt: skip
         for part in args.parts:
             if part == "recommend":

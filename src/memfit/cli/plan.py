@@ -381,7 +381,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         table.add_row(f"phase: {phase}", gib(value))
     table.add_section()
     table.add_row("[bold]peak allocated", f"[bold]{gib(result.peak_bytes)}")
-    table.add_row("needed (+5% allocator slack, CUDA context)", gib(result.required_bytes))
+    table.add_row(
+        f"needed (+{result.slack:.0%} allocator slack, CUDA context)", gib(result.required_bytes)
+    )
     console.print(table)
     teacher = f", teacher {time.teacher_s:.3f}" if strategy.teacher is not None else ""
     host = f", host launches beyond the GPU's work {time.host_s:.3f}" if time.host_s else ""
