@@ -1238,6 +1238,18 @@ def _time_model_records(run: dict, part: str) -> list[dict]:
     ]
 
 
+def _part_run(run: dict, part: str) -> dict:
+    """`run` with the env of the newest run holding `part`, naming every commit that did."""
+    holding = [
+        x for x in run.get("all_runs", [run]) if any(r.get("part") == part for r in x["records"])
+    ]
+    commits = list(dict.fromkeys(x["env"]["commit"] for x in holding))
+    return {
+        **run,
+        "env": {**holding[-1]["env"], "commit": " to ".join(commits[:: max(1, len(commits) - 1)])},
+    }
+
+
 def _today(record: dict):
     """Today's time model's StepTime for a time_model.json record."""
     import tempfile
@@ -1271,6 +1283,7 @@ def _time_strategy(r: dict) -> str:
 def time_model_table(run: dict) -> str:
     """benchmarks/time_model.py's held-out part: Hugging Face models the time model is not
     fitted to, each step against today's time model and the one of the run."""
+    run = _part_run(run, "held_out")
     lines = [
         _env_line(run, "eager blocks, random weights, median of 5 steps after 3.")
         + " Each run on a machine of its own (the one H100 each lent; those started at 19:48"
@@ -1297,6 +1310,7 @@ def time_model_table(run: dict) -> str:
 
 def recommend_table(run: dict) -> str:
     """benchmarks/time_model.py --parts recommend: each model's first three strategies, run."""
+    run = _part_run(run, "recommend")
     lines = [
         _env_line(run, "2^16 tokens a step, seq 2048, eager blocks, the median of 2 steps after 1.")
         + " Place: where `memfit plan --recommend` (and `--auto`) ranked it; predicted: today's"
@@ -1321,6 +1335,7 @@ def recommend_table(run: dict) -> str:
 
 def adaptive_table(run: dict) -> str:
     """benchmarks/time_model.py --parts adaptive: --checkpointing auto against every block."""
+    run = _part_run(run, "adaptive")
     lines = [
         _env_line(run, "eager blocks, random weights, median of 5 steps after 3.")
         + " Without checkpointing neither fits the GPU. The runs started at 19:48 and 19:50"
@@ -1352,6 +1367,78 @@ def adaptive_table(run: dict) -> str:
             f"{r['checkpointing']} | {what} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
             f"{r['peak_bytes'] / 2**30:.1f} ({r['predicted_peak_bytes'] / 2**30:.1f}) |"
         )
+    return "\n".join(lines)
+
+
+def fp32_parts_table(run: dict) -> str:
+    """benchmarks/time_model.py --parts fp32_parts: what --fp32-parts costs, and the plan."""
+    run = _part_run(run, "fp32_parts")
+    lines = [
+        _env_line(run, "eager blocks, random weights, median of 5 steps after 3; sequences of "
+                  "2048 tokens, micro-batch 4."),
+        "",
+        "| model | checkpointing | precision | fp32 parts | their products | tokens/s | vs none | step ms (planned) | peak GiB (planned) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    records = [r for r in _time_model_records(run, "fp32_parts") if "step_s" in r]
+    records = [r for r in records if r["started"] == max(x["started"] for x in records)]
+    for r in records:
+        s = r["strategy"]
+        base = next(
+            x for x in records
+            if x["model"] == r["model"] and x["checkpointing"] == r["checkpointing"]
+            and x["precision"] == r["precision"] and not x["strategy"]["fp32_parts"]
+        )  # fmt: skip
+        today = _today(r)
+        import tempfile
+
+        from fit_time_model import model_of, strategy_of
+
+        from memfit.planner import GPUS, plan  # (report.py runs without a GPU)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            planned = plan(model_of(r, Path(tmp)), strategy_of(r), GPUS["h100-sxm"])
+        lines.append(
+            f"| {r['model']} | {r['checkpointing']} | {r['precision']} | {s['fp32_parts'] or '-'} | "
+            f"{s['fp32_matmul'] if s['fp32_parts'] else '-'} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['step_s'] * 1e3:.0f} "
+            f"({today.total_s * 1e3:.0f}, {today.total_s / r['step_s'] - 1:+.0%}) | "
+            f"{r['peak_bytes'] / 2**30:.2f} ({planned.peak_bytes / 2**30:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def capacity_table(run: dict) -> str:
+    """benchmarks/time_model.py --parts capacity: runs planned at the GPU's capacity under each
+    allocator, and what the plan says of them with that allocator's slack."""
+    from memfit.planner.memory import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
+
+    run = _part_run(run, "capacity")
+    lines = [
+        _env_line(run, "eager blocks, random weights, the second step of each (the first makes "
+                  "the optimizer's states). Planned for the memory the GPU reports (79.18 GiB)."),
+        "",
+        "| allocator | model | seq x micro-batch | checkpointing | planned peak GiB | plan says (slack) | ran | allocated peak GiB | reserved peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for x in run.get("all_runs", [run]):
+        conf = x["env"].get("alloc_conf", "")
+        mode = "expandable_segments" if conf.endswith("True") else "default"
+        for r in x["records"]:
+            if r.get("part") != "capacity":
+                continue
+            slack = ALLOCATOR_SLACK[mode]
+            planned = r["predicted_peak_bytes"]
+            fits = planned * (1 + slack) + CUDA_CONTEXT_BYTES <= x["gpu_capacity_bytes"]
+            ran = "step_s" in r
+            lines.append(
+                f"| {mode.replace('_', ' ')} | {r['model']} | {r['seq_len']} x {r['micro_batch']} | "
+                f"{r['checkpointing']} | {planned / 2**30:.2f} ({planned / x['gpu_capacity_bytes']:.1%}) | "
+                f"{'fits' if fits else 'does not fit'} ({slack:.0%}) | "
+                f"{'yes' if ran else 'out of memory'} | "
+                + (f"{r['peak_bytes'] / 2**30:.2f} | {r['peak_reserved_bytes'] / 2**30:.2f} "
+                   f"({r['peak_reserved_bytes'] / r['peak_bytes'] - 1:+.1%}) |" if ran else "- | - |")
+            )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -1393,6 +1480,8 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "time_model": ("time_model", time_model_table, _has("records"), True),
     "recommend": ("time_model", recommend_table, _has("records"), True),
     "adaptive_checkpointing": ("time_model", adaptive_table, _has("records"), True),
+    "fp32_parts": ("time_model", fp32_parts_table, _has("records"), True),
+    "allocator_capacity": ("time_model", capacity_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

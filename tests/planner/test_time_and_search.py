@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from memfit.models import PRESETS
-from memfit.planner import GPUS, Strategy, rank_strategies, step_time
+from memfit.planner import GPUS, Strategy, plan, rank_strategies, step_time
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "train_step.json"
 
@@ -379,48 +379,65 @@ def test_the_time_model_predicts_models_it_was_not_fitted_to(record, tmp_path):
     and the host-bound steps are, benchmarks/fit_time_model.py), each run on a machine of its
     own: every step the GPU sets the pace of within 10% on the first machine and 12.3% on the
     second (Llama-3.2-3B, whose host was slower), and where the host's launches set it (the
-    smallest models) within 35%: the host's speed moved such steps by up to 1.5x between
-    machines of the same kind (SmolLM2-135M: 73, 102 and 110 ms), which no constant follows."""
+    smallest models) within 45%: the host's speed moved such steps by up to 2x between
+    machines of the same kind (SmolLM2-135M: 73 to 143 ms on seven machines), which no
+    constant follows, nor a host calibration timed before each (planner/time.py)."""
     predicted = _predicted(record, tmp_path)
     error = predicted.total_s / record["step_s"] - 1
     host_bound = predicted.host_s > 0
-    assert abs(error) < (0.35 if host_bound else 0.13), (error, host_bound)
+    assert abs(error) < (0.45 if host_bound else 0.13), (error, host_bound)
 
 
-def test_the_time_model_fits_its_designed_set(tmp_path):
-    """The designed set it is fitted on (hidden sizes 576 to 8192, head dims 64 and 128, GQA 1
-    to 8, SwiGLU 2x to 6x, sequences 1k to 16k, vocabularies 32k to 152k, every checkpointing
-    mode, bf16 and fp16, optimizer offload): rms error under 12%, and the GPU-bound steps'
-    under 8%."""
-    errors, gpu_bound = [], []
-    for record in time_model_records("fit"):
-        predicted = _predicted(record, tmp_path)
-        errors.append(predicted.total_s / record["step_s"] - 1)
-        if predicted.host_s == 0:
-            gpu_bound.append(errors[-1])
+@pytest.mark.parametrize(
+    "record",
+    time_model_records("fp32_parts"),
+    ids=lambda r: (
+        f"{r['model']}-{r['strategy']['checkpointing']}-{r['precision']}-"
+        f"{r['strategy']['fp32_parts'] or 'none'}-{r['strategy']['fp32_matmul']}"
+    ),
+)
+def test_the_plan_prices_fp32_parts(record, tmp_path):
+    """`--fp32-parts` on an H100 (llama-1b and Llama-3.2-1B, the head to two blocks at each
+    end, none and full checkpointing, bf16 and fp16, fp32 and tf32 products): step time
+    within 13% and peak within 2% of the plan (measured -5% to +12%, peaks within 1.7%)."""
+    from memfit.models.config import from_hf_config
 
-    def rms(values):
-        return (sum(e * e for e in values) / len(values)) ** 0.5
+    predicted = _predicted(record, tmp_path)
+    assert abs(predicted.total_s / record["step_s"] - 1) < 0.13
+    if record["hf_config"] is None:
+        model = PRESETS[record["model"]]
+    else:
+        model = from_hf_config(tmp_path / "config.json")  # (written by _predicted)
+    fields = {**record["strategy"], "lora_targets": tuple(record["strategy"]["lora_targets"])}
+    planned = plan(model, Strategy(**{**fields, "teacher": None}), GPUS["h100-sxm"])
+    assert abs(planned.peak_bytes / record["peak_bytes"] - 1) < 0.02
 
-    assert len(errors) >= 40 and len(gpu_bound) >= 30
-    assert rms(errors) < 0.12 and rms(gpu_bound) < 0.08, (rms(errors), rms(gpu_bound))
 
+@pytest.mark.parametrize("allocator", ["expandable_segments:True", "expandable_segments:False"])
+def test_the_allocator_slack_holds_at_the_gpus_capacity(allocator, monkeypatch):
+    """Runs planned at 95-102% of an H100 under each allocator, planned for the memory the GPU
+    reports (79.18 GiB, as `detect_gpu` finds it): every one the plan says fits ran (with
+    expandable segments 2% of slack, with the default 10%), and with expandable segments the
+    plan says so of three of the eight that ran (5% said so of none)."""
+    import dataclasses
 
-def test_each_recommendation_says_why_it_is_there():
-    """The first is the fastest predicted; each other says how much slower and how much memory
-    it saves; a strategy's offload, checkpointing or lean optimizer each name what the strategy
-    without it would need (over the GPU)."""
-    gpu = GPUS["h100-sxm"]
-    found = rank_strategies(PRESETS["llama-2-7b"], gpu, limit=3, host_memory=512 * 2**30)
-    first, *others = found
-    assert first.reasons.startswith("the fastest predicted")
-    assert all("slower than the first" in r.reasons for r in others)
-    s = first.strategy
-    assert (s.zero, s.offload) == (3, "params")
-    assert "ZeRO-3 with params offload: stage 0 on the GPU needs" in first.reasons
-    if s.checkpoint_blocks is not None:
-        assert f"on the fewest blocks that fit ({s.checkpoint_blocks} of 32)" in first.reasons
-    assert first.reasons in first.why()
-    lean = rank_strategies(PRESETS["llama-2-7b"], gpu, limit=1, host_memory=16 * 2**30)[0]
-    assert "adamw8bit: nothing fits with adamw" in lean.reasons
-    assert "bf16 weights: nothing fits with fp32 masters" in lean.reasons
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", allocator)
+    runs = [
+        run
+        for run in json.loads(TIME_MODEL_RESULTS.read_text())
+        if run["env"].get("alloc_conf") == allocator
+        and any(r["part"] == "capacity" for r in run["records"])
+    ]
+    assert len(runs) == 1 and len(runs[0]["records"]) == 13
+    gpu = dataclasses.replace(GPUS["h100-sxm"], memory_bytes=runs[0]["gpu_capacity_bytes"])
+    said_fits, ran = 0, 0
+    for r in runs[0]["records"]:
+        fields = {**r["strategy"], "lora_targets": tuple(r["strategy"]["lora_targets"])}
+        planned = plan(PRESETS[r["model"]], Strategy(**{**fields, "teacher": None}), gpu)
+        assert planned.slack == (0.02 if allocator.endswith("True") else 0.10)
+        if planned.fits:
+            said_fits += 1
+            assert "step_s" in r, r.get("error")
+        ran += "step_s" in r
+    if allocator.endswith("True"):
+        assert ran == 8 and said_fits == 3
