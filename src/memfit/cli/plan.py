@@ -316,6 +316,11 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     check_seq_len(model, args.seq_len)  # the engine refuses the same lengths
     fields = fine_tuning(args, from_config)
     if args.recommend:
+        if args.fp32_parts or args.fp32_matmul != "fp32":
+            raise ValueError(
+                "--recommend ranks bf16 strategies and takes no --fp32-parts or --fp32-matmul "
+                "yet: plan the strategy it lists with them (memfit plan ... --fp32-parts ...)"
+            )
         return run_rank_strategies(args, console, model, fields)
     gpu = get_gpu(args.gpu)
     if args.checkpointing == "auto" and args.checkpoint_blocks is not None:
