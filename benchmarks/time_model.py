@@ -227,6 +227,17 @@ CAPACITY = (
     + [("llama-1b", seq, 100, "full", "bf16", {}) for seq in (4248, 4408, 4504, 4568)]
 )
 
+# compiled blocks (what `memfit train` runs on CUDA without checkpointing): the host's launches
+# per block, and the smallest held-out models as `memfit train` runs them
+COMPILED = [
+    (name, 256, 1, "none", "bf16", {"compile": "on"})
+    for name in ("h576-hd64-v49k", "SmolLM2-135M", "h2048-hd64-v32k", "Llama-3.2-1B")
+] + [
+    ("SmolLM2-135M", 2048, 8, "none", "bf16", {"compile": "on"}),
+    ("Qwen2.5-0.5B", 4096, 2, "none", "bf16", {"compile": "on"}),
+    ("Llama-3.2-1B", 2048, 4, "none", "bf16", {"compile": "on"}),
+]
+
 DISTRIBUTED_KEYS = ("zero", "offload")
 
 
@@ -291,7 +302,7 @@ def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, f
         "micro_batch": micro_batch, "grad_accum": grad_accum, "checkpointing": checkpointing,
         "checkpoint_blocks": checkpoint_blocks, "precision": precision, "lr": 1e-5,
         "steps": warmup + repeat + 1,
-        **{k: v for k, v in settings.items() if k not in DISTRIBUTED_KEYS},
+        **{k: v for k, v in settings.items() if k not in (*DISTRIBUTED_KEYS, "compile")},
     }  # fmt: skip
     distributed = {k: v for k, v in settings.items() if k in DISTRIBUTED_KEYS}
     record = {
@@ -309,7 +320,7 @@ def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, f
         try:
             config = build_config(
                 flags={
-                    "model": {"name": spec, "compile": "off"},
+                    "model": {"name": spec, "compile": settings.get("compile", "off")},
                     "data": {"seq_len": seq_len},
                     "train": train,
                     "distributed": distributed,
@@ -448,7 +459,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--parts", nargs="+", default=["fit", "held_out"],
-        choices=["fit", "host", "held_out", "adaptive", "recommend", "fp32_parts", "capacity"],
+        choices=[
+            "fit", "host", "held_out", "adaptive", "recommend", "fp32_parts", "capacity",
+            "compiled",
+        ],
     )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
@@ -467,7 +481,7 @@ def main() -> None:
         folder = Path(tmp)
         parts = {
             "fit": FIT, "host": HOST, "held_out": HELD_OUT, "adaptive": ADAPTIVE,
-            "fp32_parts": FP32_PARTS, "capacity": CAPACITY,
+            "fp32_parts": FP32_PARTS, "capacity": CAPACITY, "compiled": COMPILED,
         }  # fmt: skip
         for part in args.parts:
             if part == "recommend":
