@@ -12,8 +12,8 @@ Every configuration runs through memfit's Trainer as `memfit train --model CONFI
 off (blocks compiled change a step by 1-4%: train_step.json), `--attention auto`. Step time:
 the median of `--repeat` optimizer steps after `--warmup` (wall clock, synchronized). Peak:
 torch.cuda.max_memory_allocated over the timed steps. Host speed: `host_block_s`
-(planner.time.measure_host_block_seconds) just before the timed steps. Each record keeps the model's config and
-the Strategy the trainer ran (`Trainer.strategy()`), so that the time model can be refitted and
+(`measure_host_block_seconds` below) just before the timed steps. Each record keeps the
+model's config and the Strategy the trainer ran (`Trainer.strategy()`), so that the time model can be refitted and
 rescored offline (benchmarks/fit_time_model.py), and what the planner predicted when it ran.
 A configuration that runs out of memory, or that memfit refuses, is recorded as such.
 
@@ -246,7 +246,7 @@ def measure_host_block_seconds(device: str = "cuda", rounds: int = 9, repeat: in
     block (width 256, 64 tokens, bf16 autocast) takes, wall clock: the median over `rounds` of
     the mean of `repeat` calls, after a warm-up. Its GPU work is a few microseconds a kernel,
     so the host's Python, dispatch and launches set it: the same work, per operation, as a
-    training step's eager blocks. About 0.4 s on an H100's host. (Recorded beside each
+    training step's eager blocks. The measurement takes about 0.4 s. (Recorded beside each
     configuration; not a predictor: on the lent H100s it moved 2.7-5.1 ms within one machine,
     as the host-bound steps themselves moved up to 2x between repeats.)"""
 
@@ -474,7 +474,7 @@ def main() -> None:
         raise SystemExit("benchmarks/time_model.py needs a CUDA GPU of the planner's catalog")
     console = Console(width=200)
     records: list[dict] = []
-    # the host's speed (planner.time.measure_host_block_seconds) before and after each part
+    # the host's speed (measure_host_block_seconds) before and after each part
     host_block_s = [measure_host_block_seconds()]
     console.print(f"host: {host_block_s[0] * 1e3:.2f} ms an eager block's forward and backward")
     with tempfile.TemporaryDirectory() as tmp:

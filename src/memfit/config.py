@@ -184,9 +184,11 @@ class TrainSection(_Section):
     (the first and the last N blocks; first, last: one). '' : none. Their weights are the fp32
     master weights themselves; memfit.train.precision.apply_fp32_parts says what runs how."""
     fp32_matmul: Literal["fp32", "tf32"] = "fp32"
-    """How fp32 products run (the fp32 parts', an fp32 run's): fp32 on the CUDA cores, or tf32
-    on the tensor cores (inputs rounded to 10 mantissa bits, bf16 has 7; fp32 sums), about 4x
-    the rate on an H100 (torch.backends.cuda.matmul.allow_tf32)."""
+    """How fp32 products run (the fp32 parts', an fp32 run's, fp16's fp32 loss gradients and
+    distillation's): fp32 on the CUDA cores, or tf32 on the tensor cores (inputs rounded to 10
+    mantissa bits, bf16 has 7; fp32 sums), about 4x the rate on an H100: tf32 turns on
+    torch.backends.cuda.matmul.allow_tf32 for the process; fp32 leaves it as it is (off unless
+    the process turned it on)."""
     offload_activations: bool = False
     """Each block's input (with checkpointing full or selective), or else each tensor of at least
     1 MiB that a block saves, goes to pinned CPU memory during the forward and comes back one
@@ -542,10 +544,10 @@ def parse_fp32_parts(spec: str | Fp32Parts) -> Fp32Parts:
         return spec
     head, counts = False, {"first": 0, "last": 0}
     for item in (t.strip() for t in spec.split(",") if t.strip()):
-        name, _, count = item.partition(":")
-        if name == "head" and not count:
+        name, colon, count = item.partition(":")
+        if name == "head" and not colon:
             head = True
-        elif name in counts and (not count or (count.isdigit() and int(count) > 0)):
+        elif name in counts and (not colon or (count.isdigit() and int(count) > 0)):
             counts[name] = max(counts[name], int(count or 1))
         elif name in ("embed", "embedding"):
             raise ValueError(

@@ -146,8 +146,9 @@ def test_fp32_parts_from_the_command_line(tmp_path, capsys):
     assert 'fp32_parts = "head,first:1"' in saved
     assert main([*common, "--fp32-parts", "embed"]) == 2
     assert "first N blocks unrounded" in capsys.readouterr().err.replace("\n", " ")
-    assert main(["plan", "--recommend", "--fp32-parts", "head"]) == 2
-    assert "takes no --fp32-parts" in capsys.readouterr().err.replace("\n", " ")
+    for command in (["plan", "--recommend"], ["train", "--auto"]):
+        assert main([*command, "--fp32-parts", "head"]) == 2
+        assert "takes no --fp32-parts" in capsys.readouterr().err.replace("\n", " ")
 
 
 def test_plan_that_does_not_fit_says_what_would(capsys):

@@ -53,3 +53,17 @@ def test_fp32_parts_are_spelled_one_way_and_refused_where_weights_are_not_fp32()
             Strategy(fp32_parts="head", **bad)
     with pytest.raises(ValueError, match="last:17, but the model has 16 blocks"):
         plan(MODEL, Strategy(fp32_parts="last:17"), GPU)
+
+
+def test_fp32_blocks_of_a_flash_model_plan_as_sdpa():
+    """memfit's flash kernel hands fp32 calls to SDPA (memfit.functional.attention): an fp32
+    block of a flash run keeps what it keeps under SDPA (grouped k and v repeated)."""
+
+    def grown(attention):
+        kept = [
+            plan(MODEL, Strategy(micro_batch=4, attention=attention, fp32_parts=p), GPU)
+            for p in ("", "first:2,last:2")
+        ]
+        return kept[1].forward_kept_bytes - kept[0].forward_kept_bytes
+
+    assert grown("flash") == grown("sdpa") > 0

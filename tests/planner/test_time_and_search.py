@@ -388,6 +388,45 @@ def test_the_time_model_predicts_models_it_was_not_fitted_to(record, tmp_path):
     assert abs(error) < (0.45 if host_bound else 0.13), (error, host_bound)
 
 
+def test_the_time_model_fits_its_designed_set(tmp_path):
+    """The designed set it is fitted on (hidden sizes 576 to 8192, head dims 64 and 128, GQA 1
+    to 8, SwiGLU 2x to 6x, sequences 1k to 16k, vocabularies 32k to 152k, every checkpointing
+    mode, bf16 and fp16, optimizer offload): rms error under 12%, and the GPU-bound steps'
+    under 8%."""
+    errors, gpu_bound = [], []
+    for record in time_model_records("fit"):
+        predicted = _predicted(record, tmp_path)
+        errors.append(predicted.total_s / record["step_s"] - 1)
+        if predicted.host_s == 0:
+            gpu_bound.append(errors[-1])
+
+    def rms(values):
+        return (sum(e * e for e in values) / len(values)) ** 0.5
+
+    assert len(errors) >= 40 and len(gpu_bound) >= 30
+    assert rms(errors) < 0.12 and rms(gpu_bound) < 0.08, (rms(errors), rms(gpu_bound))
+
+
+def test_each_recommendation_says_why_it_is_there():
+    """The first is the fastest predicted; each other says how much slower and how much memory
+    it saves; a strategy's offload, checkpointing or lean optimizer each name what the strategy
+    without it would need (over the GPU)."""
+    gpu = GPUS["h100-sxm"]
+    found = rank_strategies(PRESETS["llama-2-7b"], gpu, limit=3, host_memory=512 * 2**30)
+    first, *others = found
+    assert first.reasons.startswith("the fastest predicted")
+    assert all("slower than the first" in r.reasons for r in others)
+    s = first.strategy
+    assert (s.zero, s.offload) == (3, "params")
+    assert "ZeRO-3 with params offload: stage 0 on the GPU needs" in first.reasons
+    if s.checkpoint_blocks is not None:
+        assert f"on the fewest blocks that fit ({s.checkpoint_blocks} of 32)" in first.reasons
+    assert first.reasons in first.why()
+    lean = rank_strategies(PRESETS["llama-2-7b"], gpu, limit=1, host_memory=16 * 2**30)[0]
+    assert "adamw8bit: nothing fits with adamw" in lean.reasons
+    assert "bf16 weights: nothing fits with fp32 masters" in lean.reasons
+
+
 @pytest.mark.parametrize(
     "record",
     time_model_records("fp32_parts"),
@@ -428,10 +467,11 @@ def test_the_allocator_slack_holds_at_the_gpus_capacity(allocator, monkeypatch):
         if run["env"].get("alloc_conf") == allocator
         and any(r["part"] == "capacity" for r in run["records"])
     ]
-    assert len(runs) == 1 and len(runs[0]["records"]) == 13
-    gpu = dataclasses.replace(GPUS["h100-sxm"], memory_bytes=runs[0]["gpu_capacity_bytes"])
+    newest = runs[-1]  # (of the results file, which runs are appended to)
+    assert len(newest["records"]) == 13
+    gpu = dataclasses.replace(GPUS["h100-sxm"], memory_bytes=newest["gpu_capacity_bytes"])
     said_fits, ran = 0, 0
-    for r in runs[0]["records"]:
+    for r in newest["records"]:
         fields = {**r["strategy"], "lora_targets": tuple(r["strategy"]["lora_targets"])}
         planned = plan(PRESETS[r["model"]], Strategy(**{**fields, "teacher": None}), gpu)
         assert planned.slack == (0.02 if allocator.endswith("True") else 0.10)

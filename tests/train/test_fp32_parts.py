@@ -106,6 +106,7 @@ def test_parse_fp32_parts():
     for bad, says in [
         ("embed", "its rows enter the first N blocks unrounded"),
         ("first:0", "N >= 1"),
+        ("last:", "N >= 1"),
         ("tail", "give head, first:N and last:N"),
         ("head:2", "give head"),
     ]:

@@ -30,6 +30,11 @@ def choose_strategy(config: Config, console: Console) -> Config:
     from memfit.models.config import load_model_config
     from memfit.planner import detect_gpu, fine_tuning_fields, rank_strategies
 
+    if config.train.fp32_parts or config.train.fp32_matmul != "fp32":
+        raise ValueError(
+            "--auto ranks bf16 strategies and takes no --fp32-parts or --fp32-matmul yet: "
+            "set the strategy yourself (`memfit plan --fp32-parts ...` prices it)"
+        )
     gpu = detect_gpu()
     if gpu is None:
         raise ValueError(

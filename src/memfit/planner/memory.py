@@ -566,8 +566,10 @@ def fp32_head(strategy: Strategy) -> bool:
 
 
 def in_fp32(strategy: Strategy) -> Strategy:
-    """`strategy` for a part that computes in fp32 (memfit.train.precision.apply_fp32_parts)."""
-    return replace(strategy, precision="fp32", fp32_parts="")
+    """`strategy` for a part that computes in fp32 (memfit.train.precision.apply_fp32_parts):
+    its attention is SDPA's (memfit's flash kernel hands fp32 calls to it)."""
+    attention = "sdpa" if strategy.attention == "flash" else strategy.attention
+    return replace(strategy, precision="fp32", fp32_parts="", attention=attention)
 
 
 def block_activation_bytes(model: ModelConfig, strategy: Strategy) -> list[int]:
@@ -786,10 +788,15 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
     checked_activations = sum(kept[:checked]) + outside
     activations = checked_activations + sum(kept[checked:])
     offloaded = offloaded_bytes_per_layer(model, strategy)
+    # (each block's in its own precision: fp32 blocks move 4-byte tensors)
+    offloaded_blocks = [
+        offloaded_bytes_per_layer(model, in_fp32(strategy)) if i in fp32 else offloaded
+        for i in range(L)
+    ]
     if offloaded:
         # in pinned CPU memory; on the GPU two layers' at most: one being copied out (or, in
         # backward, the block's own) and the next one coming back
-        activations -= (L - min(L, 2)) * offloaded
+        activations -= sum(offloaded_blocks) - sum(sorted(offloaded_blocks)[-min(L, 2) :])
     if teacher is None:
         ce_saved, ce_transient = _cross_entropy(model, in_fp32(strategy) if head_fp32 else strategy)
     else:
@@ -945,7 +952,7 @@ def plan(model: ModelConfig, strategy: Strategy, gpu: GPU | None = None) -> Memo
             f"params include the teacher {teacher.name}'s weights ({stored}): {gib(teacher_weights)}"
         )
     if offloaded:
-        host += L * (offloaded + copies_moved)
+        host += sum(offloaded_blocks) + (L - len(fp32)) * copies_moved
         what = "block inputs" if strategy.checkpointing != "none" else "activations"
         if copies_moved:
             what += " (and the weight copies that compiled blocks save)"

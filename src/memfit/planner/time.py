@@ -55,9 +55,10 @@ yet measured here.
 
 fp32 parts (`--fp32-parts`, memfit.train.precision): their blocks' and head's products at the
 fp32 rate (`fp32_flops_per_s`: the dense bf16 rate / FP32_SLOWDOWN, or / TF32_SLOWDOWN with
-`--fp32-matmul tf32`), their weights not cast. 32 runs on an H100 (llama-1b and Llama-3.2-1B,
-the head to two blocks at each end, none and full checkpointing, bf16 and fp16, fp32 and tf32
-products): within -5% to +12% of the step, peaks within 1.7%.
+`--fp32-matmul tf32`), their weights not cast; an fp32 run's products at the same rate (not
+measured whole: every block of it in fp32 is the fp32 parts' case). 30 runs on an H100
+(llama-1b and Llama-3.2-1B, the head to two blocks at each end, none and full checkpointing,
+bf16 and fp16, fp32 and tf32 products): within -5% to +12% of the step, peaks within 1.7%.
 
 LoRA, QLoRA and distillation follow the engine's dataflow at the same rates (no constant fitted
 to their steps; the dequantizing kernels' rates measured on their own):
@@ -505,7 +506,7 @@ def teacher_time(model: ModelConfig, strategy: Strategy, gpu: GPU) -> float:
     tokens = strategy.micro_batch * strategy.seq_len * strategy.grad_accum
     rate = gpu.bf16_flops * efficiency(teacher)
     if strategy.precision == "fp32":
-        rate /= FP32_SLOWDOWN
+        rate = fp32_flops_per_s(gpu, strategy)
     hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
     flops = 2 * teacher.num_params + teacher.spec.attention_forward_flops(strategy.seq_len)
     seconds = tokens * flops / rate
@@ -524,5 +525,5 @@ def teacher_time(model: ModelConfig, strategy: Strategy, gpu: GPU) -> float:
         # the head's gradient: an fp32 product where a cross-entropy's is bf16 (in the 6 FLOPs)
         student_rate = gpu.bf16_flops * efficiency(model)
         head = 2 * model.vocab_size * model.hidden_size
-        seconds += tokens * head * (FP32_SLOWDOWN - 1) / student_rate
+        seconds += tokens * head * (1 / fp32_flops_per_s(gpu, strategy) - 1 / student_rate)
     return seconds

@@ -170,8 +170,8 @@ class Trainer:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.precision = resolve_precision(train.precision, self.device)
-        if self.device.type == "cuda":  # (the process's setting: what the run asks)
-            torch.backends.cuda.matmul.allow_tf32 = train.fp32_matmul == "tf32"
+        if self.device.type == "cuda" and train.fp32_matmul == "tf32":  # (for the process)
+            torch.backends.cuda.matmul.allow_tf32 = True
         if (
             self.precision == "bf16"
             and self.device.type == "cuda"
@@ -227,6 +227,7 @@ class Trainer:
                 f"train.checkpoint_blocks = {blocks}, but {self.model_config.name} has "
                 f"{self.model_config.num_layers} blocks"
             )
+        fp32_parts = self._fp32_parts()
         self.heartbeat = (
             launch.Heartbeat(self.world, deadline_s=config.distributed.heartbeat_s)
             if self.world.distributed and config.distributed.heartbeat_s > 0
@@ -268,7 +269,6 @@ class Trainer:
             window=self.model_config.some_window,
         )
         self.attention = attention
-        fp32_parts = self._fp32_parts()
         lora = config.lora.spec()
         gpu = None
         if self.device.type == "cuda":
