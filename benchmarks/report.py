@@ -1250,17 +1250,21 @@ def _part_run(run: dict, part: str) -> dict:
     }
 
 
-def _today(record: dict):
-    """Today's time model's StepTime for a time_model.json record."""
+def _model_and_strategy(record: dict):
+    """A time_model.json record's model and Strategy (benchmarks/fit_time_model.py's reading)."""
     import tempfile
 
     from fit_time_model import model_of, strategy_of
 
+    with tempfile.TemporaryDirectory() as tmp:
+        return model_of(record, Path(tmp)), strategy_of(record)
+
+
+def _today(record: dict):
+    """Today's time model's StepTime for a time_model.json record."""
     from memfit.planner import GPUS, step_time
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = model_of(record, Path(tmp))
-    return step_time(model, strategy_of(record), GPUS["h100-sxm"])
+    return step_time(*_model_and_strategy(record), GPUS["h100-sxm"])
 
 
 def _time_strategy(r: dict) -> str:
@@ -1372,6 +1376,8 @@ def adaptive_table(run: dict) -> str:
 
 def fp32_parts_table(run: dict) -> str:
     """benchmarks/time_model.py --parts fp32_parts: what --fp32-parts costs, and the plan."""
+    from memfit.planner import GPUS, plan, step_time
+
     run = _part_run(run, "fp32_parts")
     lines = [
         _env_line(run, "eager blocks, random weights, median of 5 steps after 3; sequences of "
@@ -1389,15 +1395,9 @@ def fp32_parts_table(run: dict) -> str:
             if x["model"] == r["model"] and x["checkpointing"] == r["checkpointing"]
             and x["precision"] == r["precision"] and not x["strategy"]["fp32_parts"]
         )  # fmt: skip
-        today = _today(r)
-        import tempfile
-
-        from fit_time_model import model_of, strategy_of
-
-        from memfit.planner import GPUS, plan  # (report.py runs without a GPU)
-
-        with tempfile.TemporaryDirectory() as tmp:
-            planned = plan(model_of(r, Path(tmp)), strategy_of(r), GPUS["h100-sxm"])
+        model, strategy = _model_and_strategy(r)
+        today = step_time(model, strategy, GPUS["h100-sxm"])
+        planned = plan(model, strategy, GPUS["h100-sxm"])
         lines.append(
             f"| {r['model']} | {r['checkpointing']} | {r['precision']} | {s['fp32_parts'] or '-'} | "
             f"{s['fp32_matmul'] if s['fp32_parts'] else '-'} | {r['tokens_per_s']:,.0f} | "

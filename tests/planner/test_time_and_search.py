@@ -352,7 +352,8 @@ def time_model_records(part: str) -> list[dict]:
     ]
 
 
-def _predicted(record: dict, tmp_path):
+def _model_and_strategy(record: dict, tmp_path):
+    """A time_model.json record's model (a preset, or its Hugging Face config) and Strategy."""
     from memfit.models.config import from_hf_config
 
     if record["hf_config"] is None:
@@ -362,7 +363,11 @@ def _predicted(record: dict, tmp_path):
         path.write_text(json.dumps({**record["hf_config"], "_name_or_path": record["model"]}))
         model = from_hf_config(path)
     fields = {**record["strategy"], "lora_targets": tuple(record["strategy"]["lora_targets"])}
-    return step_time(model, Strategy(**{**fields, "teacher": None}), GPUS["h100-sxm"])
+    return model, Strategy(**{**fields, "teacher": None})
+
+
+def _predicted(record: dict, tmp_path):
+    return step_time(*_model_and_strategy(record, tmp_path), GPUS["h100-sxm"])
 
 
 @pytest.mark.parametrize(
@@ -439,21 +444,15 @@ def test_the_plan_prices_fp32_parts(record, tmp_path):
     """`--fp32-parts` on an H100 (llama-1b and Llama-3.2-1B, the head to two blocks at each
     end, none and full checkpointing, bf16 and fp16, fp32 and tf32 products): step time
     within 13% and peak within 2% of the plan (measured -5% to +12%, peaks within 1.7%)."""
-    from memfit.models.config import from_hf_config
-
-    predicted = _predicted(record, tmp_path)
+    model, strategy = _model_and_strategy(record, tmp_path)
+    predicted = step_time(model, strategy, GPUS["h100-sxm"])
     assert abs(predicted.total_s / record["step_s"] - 1) < 0.13
-    if record["hf_config"] is None:
-        model = PRESETS[record["model"]]
-    else:
-        model = from_hf_config(tmp_path / "config.json")  # (written by _predicted)
-    fields = {**record["strategy"], "lora_targets": tuple(record["strategy"]["lora_targets"])}
-    planned = plan(model, Strategy(**{**fields, "teacher": None}), GPUS["h100-sxm"])
+    planned = plan(model, strategy, GPUS["h100-sxm"])
     assert abs(planned.peak_bytes / record["peak_bytes"] - 1) < 0.02
 
 
 @pytest.mark.parametrize("allocator", ["expandable_segments:True", "expandable_segments:False"])
-def test_the_allocator_slack_holds_at_the_gpus_capacity(allocator, monkeypatch):
+def test_the_allocator_slack_holds_at_the_gpus_capacity(allocator, monkeypatch, tmp_path):
     """Runs planned at 95-102% of an H100 under each allocator, planned for the memory the GPU
     reports (79.18 GiB, as `detect_gpu` finds it): every one the plan says fits ran (with
     expandable segments 2% of slack, with the default 10%), and with expandable segments the
@@ -472,8 +471,7 @@ def test_the_allocator_slack_holds_at_the_gpus_capacity(allocator, monkeypatch):
     gpu = dataclasses.replace(GPUS["h100-sxm"], memory_bytes=newest["gpu_capacity_bytes"])
     said_fits, ran = 0, 0
     for r in newest["records"]:
-        fields = {**r["strategy"], "lora_targets": tuple(r["strategy"]["lora_targets"])}
-        planned = plan(PRESETS[r["model"]], Strategy(**{**fields, "teacher": None}), gpu)
+        planned = plan(*_model_and_strategy(r, tmp_path), gpu)
         assert planned.slack == (0.02 if allocator.endswith("True") else 0.10)
         if planned.fits:
             said_fits += 1
