@@ -119,7 +119,7 @@ def attention(
     mask: Tensor | None = None,
     metadata=None,
     stride: int = 0,
-    kv_scales: tuple[Tensor, Tensor] | None = None,
+    kv_scales: tuple[Tensor, ...] | None = None,
 ) -> Tensor:
     """Scaled dot-product attention with grouped key/value heads.
 
@@ -136,9 +136,10 @@ def attention(
     tokens flattened (1, tokens, heads_q, head_dim), each attending to its own sequence's blocks
     up to its position: the "paged" backend runs; there `stride` S > 0 beside a `window` also
     shows each query the summary columns S - 1, 2S - 1, ... (a strided sparse pattern), and
-    `kv_scales` (k_scale, v_scale) says the pools are a quantized cache's, stored divided by
-    them: fp8's (heads_kv,) each, int8's per token (num_blocks, block_size, heads_kv)
-    (memfit.inference.PagedKVCache.kv_scales).
+    `kv_scales` (k_scale, v_scale[, first_key, first_value]) says the pools are a quantized
+    cache's, stored divided by them: fp8's (heads_kv,) each, int8's per token (num_blocks,
+    block_size, heads_kv), and the first position's offsets (memfit.inference.PagedKVCache.
+    kv_scales).
     backend: a registered name: flash (memfit's Triton FlashAttention, fp16/bf16 on CUDA), sdpa
     (torch's fused attention), eager (materializes the scores; a reference), or auto
     (`resolve_attention`).
@@ -243,7 +244,7 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window, mask, metad
 
 def _paged_reference(
     q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata,
-    stride: int = 0, kv_scales: tuple[Tensor, Tensor] | None = None,
+    stride: int = 0, kv_scales: tuple[Tensor, ...] | None = None,
 ) -> Tensor:  # fmt: skip
     """Paged attention in plain PyTorch, the reference the paged Triton kernels replace: each
     token's sequence's blocks are gathered into (tokens, blocks x block_size, heads_kv, head_dim)
@@ -252,13 +253,22 @@ def _paged_reference(
     keys = key_pool[table].flatten(1, 2)  # (T, S, nkv, hs)
     values = value_pool[table].flatten(1, 2)
     if kv_scales is not None:  # a quantized cache's: widened, scaled back (the key offset stays)
-        k_scale, v_scale = kv_scales
-        if k_scale.ndim == 3:  # int8's per-token scales, (blocks, block_size, heads_kv)
-            k_scale, v_scale = (x[table].flatten(1, 2).float()[..., None] for x in kv_scales)
+        k_scale, v_scale, *first = kv_scales
+        per_token = k_scale.ndim == 3  # int8's per-token scales, (blocks, block_size, heads_kv)
+        if per_token:
+            k_scale, v_scale = (
+                x[table].flatten(1, 2).float()[..., None] for x in (k_scale, v_scale)
+            )
         else:
             k_scale, v_scale = k_scale[:, None], v_scale[:, None]
-        keys = (keys.float() * k_scale).to(q.dtype)
-        values = (values.float() * v_scale).to(q.dtype)
+        keys, values = keys.float() * k_scale, values.float() * v_scale
+        if first and first[0] is not None:  # the first position's own offsets, given back
+            first_key, first_value = (
+                first if per_token else (first[0] * k_scale, first[1] * v_scale)
+            )
+            keys[:, 0] += first_key
+            values[:, 0] += first_value
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     key_positions = torch.arange(keys.shape[1], device=q.device)
     positions = metadata.positions[:, None]
     allowed = key_positions[None, :] <= positions  # (T, S)
@@ -275,7 +285,7 @@ def _paged_reference(
 
 def _paged(
     q: Tensor, key_pool: Tensor, value_pool: Tensor, *, causal: bool, window, mask, metadata,
-    stride: int = 0, kv_scales: tuple[Tensor, Tensor] | None = None,
+    stride: int = 0, kv_scales: tuple[Tensor, ...] | None = None,
 ):  # fmt: skip
     """memfit's Triton paged kernels (memfit.ops.attention.paged) where Triton runs, else the
     plain-PyTorch reference."""
@@ -284,12 +294,12 @@ def _paged(
             q, key_pool, value_pool, causal=causal, window=window, mask=mask, metadata=metadata,
             stride=stride, kv_scales=kv_scales,
         )  # fmt: skip
-    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+    k_scale, v_scale, first_key, first_value = (*(kv_scales or ()), None, None, None, None)[:4]
     out = paged_attention(
         q[0], key_pool, value_pool, block_table=metadata.block_table, seq_lens=metadata.seq_lens,
         query_start=metadata.query_start, max_query_len=metadata.max_query_len,
         max_seq_len=metadata.max_seq_len, window=window, stride=stride, k_scale=k_scale,
-        v_scale=v_scale,
+        v_scale=v_scale, first_key=first_key, first_value=first_value,
     )  # fmt: skip
     return out[None]
 

@@ -100,11 +100,38 @@ def quantize_pools(key_pool, value_pool, seed=0, kind="fp8"):
     return stored_k, stored_v, scales[0].contiguous(), scales[1].contiguous(), meant_k, meant_v
 
 
+def first_position(stored_k, stored_v, k_scale, v_scale, meant_k, meant_v, block_table, seed=0):
+    """Each sequence's first key and value stored as a quantized PagedKVCache stores them, less
+    offsets of their own (random here), in place; returns the kernels' first_key and
+    first_value (in the stored units) that give them back."""
+    generator = torch.Generator(device="cpu").manual_seed(seed + 2)
+    heads_kv, head_dim = stored_k.shape[2:]
+    first_k, first_v = torch.randn(2, heads_kv, head_dim, generator=generator).to(stored_k.device)
+    blocks = block_table[:, 0].long()
+    for stored, scale, meant, first in ((stored_k, k_scale, meant_k, first_k),
+                                        (stored_v, v_scale, meant_v, first_v)):  # fmt: skip
+        x = meant[blocks, 0] - first  # (what it stands for, less the offset)
+        if stored.dtype == torch.int8:
+            token_scale = torch.where(x.abs().amax(-1) > 0, x.abs().amax(-1) / 127, 1.0).half()
+            stored[blocks, 0] = (
+                (x / token_scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+            )
+            scale[blocks, 0] = token_scale
+            meant[blocks, 0] = stored[blocks, 0].float() * token_scale.float()[..., None] + first
+        else:
+            stored[blocks, 0] = (x / scale[:, None]).to(torch.float8_e4m3fn)
+            meant[blocks, 0] = stored[blocks, 0].float() * scale[:, None] + first
+    if stored_k.dtype == torch.int8:
+        return first_k.contiguous(), first_v.contiguous()
+    return (first_k / k_scale[:, None]).contiguous(), (first_v / v_scale[:, None]).contiguous()
+
+
 def check_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, *,
                 window=None, stride=0, num_splits=None, floor=1e-6, seed=0,
-                kv=None):  # fmt: skip
+                kv=None, first=False):  # fmt: skip
     """kv 'fp8' or 'int8': the pools quantized (`quantize_pools`), the reference reading the
-    values they stand for."""
+    values they stand for; `first`: each sequence's first key and value stored less offsets of
+    their own (`first_position`)."""
     q, key_pool, value_pool, metadata = make_paged(
         query_lens, context_lens, heads_q, heads_kv, head_dim, page, dtype, device, seed
     )
@@ -114,6 +141,11 @@ def check_paged(query_lens, context_lens, heads_q, heads_kv, head_dim, page, dty
             key_pool, value_pool, seed, kv
         )
         scales = {"k_scale": k_scale, "v_scale": v_scale}
+        if first:
+            scales["first_key"], scales["first_value"] = first_position(
+                stored_k, stored_v, k_scale, v_scale, key_pool, value_pool,
+                metadata["block_table"], seed,
+            )  # fmt: skip
         out = paged_attention(
             q, stored_k, stored_v, **metadata, window=window, stride=stride,
             num_splits=num_splits, **scales,

@@ -105,16 +105,19 @@ def test_bad_block_size():
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_quantized_pools_decode(dtype, num_splits, kv):
     # a quantized cache's pools: one-byte tiles widened in the kernel, fp8's per-head scales
-    # folded in, int8's per-token ones on each key's scores and each value's weights
+    # folded in, int8's per-token ones on each key's scores and each value's weights; each
+    # sequence's first key and value less offsets of their own, given back by the kernel
     check_paged([1] * 4, [1, 37, 70, 16], 8, 2, 64, 16, dtype, "cpu", num_splits=num_splits,
-                kv=kv)  # fmt: skip
+                kv=kv, first=num_splits == 3)  # fmt: skip
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
 def test_quantized_pools_chunks_window_and_stride(kv):
-    check_paged([5, 1, 20], [40, 33, 20], 8, 2, 48, 8, torch.bfloat16, "cpu", kv=kv)
+    check_paged([5, 1, 20], [40, 33, 20], 8, 2, 48, 8, torch.bfloat16, "cpu", kv=kv, first=True)
     check_paged([5, 1], [40, 70], 4, 4, 64, 16, torch.bfloat16, "cpu", window=9, stride=8,
-                kv=kv)  # fmt: skip
+                kv=kv, first=True)  # fmt: skip
+    check_paged([5, 1], [40, 70], 4, 4, 64, 16, torch.bfloat16, "cpu", window=80, kv=kv,
+                first=True)  # fmt: skip
 
 
 def test_fp8_pools_refuse_missing_or_misshaped_scales():

@@ -57,7 +57,9 @@ def test_strided_summary_columns(stride, window):
 def test_quantized_pools(dtype, kv):
     lengths = [1, 17, 300, 4097, 16500]
     check_paged([1] * len(lengths), lengths, 32, 8, 128, 16, dtype, "cuda", kv=kv)
-    check_paged([700, 1, 257], [700, 5000, 17000], 32, 8, 128, 16, dtype, "cuda", kv=kv)
+    check_paged([1] * len(lengths), lengths, 32, 8, 128, 16, dtype, "cuda", kv=kv, first=True)
+    check_paged([700, 1, 257], [700, 5000, 17000], 32, 8, 128, 16, dtype, "cuda", kv=kv,
+                first=True)  # fmt: skip
     check_paged([300, 1], [5000, 700], 32, 8, 128, 16, dtype, "cuda", window=100, stride=64,
                 kv=kv)  # fmt: skip
     check_paged([1, 1, 9], [33, 2000, 61], 12, 4, 64, 16, dtype, "cuda", kv=kv)  # D=64

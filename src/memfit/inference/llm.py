@@ -34,6 +34,18 @@ GiB = 2**30
 CPU_KV_BYTES = 256 * 2**20
 """The KV pool on a CPU, where there is no device memory to fill (kv_cache_bytes sets another)."""
 KV_CALIBRATION_ROWS = (2, 256)  # (rows, tokens) of random ids a quantized KV cache calibrates on
+KV_FIRST_ROWS = 32  # and rows of one random id: the first position's own offsets (PagedKVCache)
+
+
+def kv_calibration_rows(vocab: int) -> list[list[int]]:
+    """The token rows (random ids, seeded) a quantized KV cache calibrates on: KV_CALIBRATION_ROWS
+    for the offsets and scales, and KV_FIRST_ROWS one-token rows for the first position's."""
+    generator = torch.Generator().manual_seed(0)
+    rows, length = KV_CALIBRATION_ROWS
+    ids = torch.randint(0, vocab, (rows, length), generator=generator).tolist()
+    return ids + torch.randint(0, vocab, (KV_FIRST_ROWS, 1), generator=generator).tolist()
+
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -194,8 +206,8 @@ class LLM(Texts):
         (memfit.models.quantized, `memfit export --quantize`) loads as it is stored; asking it
         for another kind is an error. kv_cache_dtype: 'auto' (the KV cache in `dtype`), 'fp8'
         (e4m3) or 'int8', with per-head scales: twice the tokens in the same memory
-        (memfit.inference.PagedKVCache), calibrated at load on KV_CALIBRATION_ROWS rows of random
-        token ids."""
+        (memfit.inference.PagedKVCache), calibrated at load on `kv_calibration_rows` (random
+        token ids)."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         for name, value in (
@@ -272,10 +284,7 @@ class LLM(Texts):
         vocab = self.config.vocab_size
         if self.tokenizer is not None:
             vocab = min(vocab, self.tokenizer.vocab_size)
-        generator = torch.Generator().manual_seed(0)
-        rows, length = KV_CALIBRATION_ROWS
-        ids = torch.randint(0, vocab, (rows, length), generator=generator).tolist()
-        self.cache.calibrate(self.model, ids)
+        self.cache.calibrate(self.model, kv_calibration_rows(vocab))
 
     def _warm_up(self) -> None:
         """Compile the kernels of every kind of step before the first request: Triton compiles

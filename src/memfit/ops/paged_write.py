@@ -53,6 +53,8 @@ def _rotary_paged_write_kernel(
     k_scale_ptr,
     v_scale_ptr,
     rotation_ptr,
+    positions_ptr,
+    first_offset_ptr,
     num_tokens,
     heads_q,
     heads_kv,
@@ -73,6 +75,7 @@ def _rotary_paged_write_kernel(
     QUANT: tl.constexpr,
     INT8: tl.constexpr,
     ROTATE: tl.constexpr,
+    FIRST: tl.constexpr,
     Q_ROTATED_SCALE: tl.constexpr,
     K_ROTATED_SCALE: tl.constexpr,
     PDL: tl.constexpr,
@@ -83,7 +86,9 @@ def _rotary_paged_write_kernel(
     pools, those pointers the per-token scale pools (slots, heads_kv) this kernel writes.
     ROTATE: after RoPE, q and k less its offset (each in the compute dtype) times the
     (2 HALF, 2 HALF) +-1 matrix H at rotation_ptr, then by Q_ROTATED_SCALE and K_ROTATED_SCALE
-    (`rotation_scales`). PDL: launched early, it waits for the kernel before before it reads."""
+    (`rotation_scales`). FIRST: a token at position 0 (positions_ptr) has its key and value less
+    the offsets at first_offset_ptr (2, heads_kv, 2 HALF), keys' then values', instead of the
+    key offset and none. PDL: launched early, it waits for the kernel before before it reads."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -149,10 +154,17 @@ def _rotary_paged_write_kernel(
             # quantized pools: the value in the compute dtype (what the plain path quantizes),
             # less the key offset, scaled, saturated and rounded to the pool's grid
             head_ok = heads < heads_kv
-            off_ptrs = k_offset_ptr + (heads * (2 * HALF))[None, :, None] + dims[None, None, :]
+            head_offsets = (heads * (2 * HALF))[None, :, None] + dims[None, None, :]
+            off_ptrs = k_offset_ptr + head_offsets
             off_mask = head_ok[None, :, None] & (dims < HALF)[None, None, :]
             off1 = tl.where(is_v, 0.0, tl.load(off_ptrs, mask=off_mask, other=0.0))
             off2 = tl.where(is_v, 0.0, tl.load(off_ptrs + HALF, mask=off_mask, other=0.0))
+            if FIRST:  # position 0: its own offsets, keys' and values'
+                at0 = (tl.load(positions_ptr + tokens, mask=token_ok, other=1) == 0)[:, None, None]
+                first_ptrs = first_offset_ptr + tl.where(is_v, heads_kv * (2 * HALF), 0)
+                first_ptrs += head_offsets
+                off1 = tl.where(at0, tl.load(first_ptrs, mask=off_mask, other=0.0), off1)
+                off2 = tl.where(at0, tl.load(first_ptrs + HALF, mask=off_mask, other=0.0), off2)
             compute = q_out_ptr.dtype.element_ty
             kv1 = kv1.to(compute).to(tl.float32) - off1
             kv2 = kv2.to(compute).to(tl.float32) - off2
@@ -246,6 +258,8 @@ def rotary_paged_write(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     key_rotation: Tensor | None = None,
+    first_offset: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Rotate q and k of `qkv` by the tables, write k and v to `slots` of the pools, return q.
 
@@ -269,6 +283,10 @@ def rotary_paged_write(
     (`rotation_scales`): q . k is unchanged, and each element of a stored key mixes every
     channel with the same weight, so a few outlier channels no longer carry most of a score
     and its rounding error.
+    first_offset (2, heads_kv, head_dim) fp32, with quantized pools and `positions` (tokens,),
+    the tokens' positions: a token at position 0 has its key stored less first_offset[0] (not
+    key_offset) and its value less first_offset[1] (`PagedKVCache`: the first position's
+    offsets).
     """
     tokens, width = qkv.shape
     _, _, heads_kv, head_dim = key_pool.shape
@@ -320,6 +338,21 @@ def rotary_paged_write(
                 f"key_rotation must be ({head_dim}, {head_dim}) contiguous float32, head_dim a "
                 f"power of two >= 32, got {tuple(key_rotation.shape)} {key_rotation.dtype}"
             )
+    if first_offset is not None:
+        if (
+            not quant
+            or first_offset.shape != (2, heads_kv, head_dim)
+            or first_offset.dtype != torch.float32
+            or not first_offset.is_contiguous()
+            or positions is None
+            or positions.shape != (tokens,)
+        ):
+            raise ValueError(
+                f"first_offset must be (2, {heads_kv}, {head_dim}) contiguous float32, for "
+                f"quantized pools, with positions ({tokens},); got "
+                f"{tuple(first_offset.shape)} {first_offset.dtype}, positions "
+                f"{None if positions is None else tuple(positions.shape)}"
+            )
     if qkv.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
         raise ValueError("rotary_paged_write needs head_dim contiguous in qkv and the pools")
     if cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
@@ -349,12 +382,15 @@ def rotary_paged_write(
     launch(
         _rotary_paged_write_kernel, grid, qkv.device,
         qkv, cos, sin, slots, q, key_pool, value_pool, *extras,
-        key_rotation if key_rotation is not None else cos, tokens, heads_q, heads_kv, q_blocks,
+        key_rotation if key_rotation is not None else cos,
+        positions if first_offset is not None else slots,
+        first_offset if first_offset is not None else cos, tokens, heads_q, heads_kv, q_blocks,
         kv_blocks, qkv.stride(0), cos.stride(0), heads_kv * head_dim, head_dim,
         heads_kv * head_dim, head_dim,
         HALF=half, BLOCK_TOKENS=block_tokens, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
         ROUND_BF16_BY_HAND=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16, QUANT=quant,
-        INT8=int8, ROTATE=key_rotation is not None, Q_ROTATED_SCALE=rotated[0],
+        INT8=int8, ROTATE=key_rotation is not None, FIRST=first_offset is not None,
+        Q_ROTATED_SCALE=rotated[0],
         K_ROTATED_SCALE=rotated[1], ROUND_FP8_BY_HAND=qkv.device.type == "cpu", PDL=pdl_enabled(qkv.device), num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q

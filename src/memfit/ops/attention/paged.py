@@ -89,6 +89,8 @@ def _attend_pages(
     KS,
     VS,
     scale_heads,
+    first_bias,
+    first_v,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -97,6 +99,7 @@ def _attend_pages(
     INTERPRET: tl.constexpr,
     STRIDED: tl.constexpr = False,
     TOKEN_SCALED: tl.constexpr = False,
+    FIRST: tl.constexpr = False,
 ):
     """The online softmax of the rows of q over keys [lo, hi) of one sequence, gathered through
     its block-table row; row r sees keys row_first[r] <= j <= row_pos[r]. K and V point at the
@@ -106,7 +109,9 @@ def _attend_pages(
     row r sees those before its window (j < row_first[r]; the window's own are its run's).
     TOKEN_SCALED (an int8 cache): KS and VS point at the program's kv head in the per-token
     scale pools (blocks, PAGE, scale_heads); each key's scale multiplies its scores, each
-    value's its softmax weights."""
+    value's its softmax weights. FIRST: key 0 (a quantized cache's first position, stored less
+    offsets of its own) has first_bias (rows,) added to its scores and its softmax weight times
+    first_v (BLOCK_D,) added to the output (`_first_position`)."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d[None, :] < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
@@ -131,6 +136,9 @@ def _attend_pages(
                 k_scales = tl.load(KS + scale_offsets).to(tl.float32)
                 v_scales = tl.load(VS + scale_offsets).to(tl.float32)
             qk = qk * k_scales[None, :]
+        if FIRST:
+            at0 = cols[None, :] == 0
+            qk = tl.where(at0, qk + first_bias[:, None], qk)
         if MASKED:
             if STRIDED:
                 keep = (cols[None, :] <= row_pos[:, None]) & (cols[None, :] < row_first[:, None])
@@ -149,8 +157,29 @@ def _attend_pages(
         v = _widen(_load_tile(v_ptrs, col_ok, d_ok, MASKED, HEAD_DIM, BLOCK_D), q.dtype, INTERPRET)
         weights = p * v_scales[None, :] if TOKEN_SCALED else p
         acc = _dot(_to_dtype(weights, q.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+        if FIRST:
+            acc += tl.sum(tl.where(at0, p, 0.0), 1)[:, None] * first_v[None, :]
         m_i = m_ij
     return acc, l_i, m_i
+
+
+@triton.jit
+def _first_position(
+    q, FirstK, FirstV, kv_head, offs_d, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr
+):
+    """(first_bias, first_v) of `_attend_pages` for the rows of q: q . FirstK[kv_head] in fp32
+    and FirstV[kv_head] (each (heads_kv, HEAD_DIM) fp32, in the kernel's units: the first
+    position's key and value offsets less the cache's, memfit.inference.PagedKVCache); zeros
+    without FIRST."""
+    if FIRST:
+        d_ok = offs_d < HEAD_DIM
+        first_k = tl.load(FirstK + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        first_v = tl.load(FirstV + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        first_bias = tl.sum(q.to(tl.float32) * first_k[None, :], 1)
+    else:
+        first_v = tl.zeros(offs_d.shape, dtype=tl.float32)
+        first_bias = tl.sum(tl.zeros(q.shape, dtype=tl.float32), 1)
+    return first_bias, first_v
 
 
 # Integers that change from step to step are not specialized on (Triton compiles a variant per
@@ -167,6 +196,8 @@ def _decode_kernel(
     PartL,
     KScale,
     VScale,
+    FirstK,
+    FirstV,
     block_table,
     seq_lens,
     query_start,
@@ -195,6 +226,7 @@ def _decode_kernel(
     MIXED: tl.constexpr,
     STRIDED: tl.constexpr,
     SCALED: tl.constexpr,
+    FIRST: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -221,6 +253,7 @@ def _decode_kernel(
         qk_scale = qk_scale * tl.load(KScale + kv_head)
     # SCALED == 2 (an int8 cache): the per-token scale pools (blocks, PAGE, heads_kv)
     ks_base, vs_base, scale_heads = KScale + kv_head, VScale + kv_head, tl.num_programs(1)
+    first_bias, first_v = _first_position(q, FirstK, FirstV, kv_head, offs_d, HEAD_DIM, FIRST)
 
     pos = seqlen - 1
     first = tl.maximum(pos - window + 1, 0)
@@ -239,8 +272,8 @@ def _decode_kernel(
     table_row = block_table + seq * stride_table
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt, lo,
-        hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads, HEAD_DIM,
-        BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2,
+        hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads, first_bias, first_v, HEAD_DIM,
+        BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2, FIRST=FIRST,
     )  # fmt: skip
     if STRIDED:  # the summary columns before the window, cut into the splits as the keys are
         columns = first // stride  # (those before the window: (i + 1) * stride - 1 < first)
@@ -248,8 +281,8 @@ def _decode_kernel(
         acc, l_i, m_i = _attend_pages(
             acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
             split * share, tl.minimum(split * share + share, columns), row_pos, row_first, offs_d,
-            qk_scale, stride, ks_base, vs_base, scale_heads, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
-            INTERPRET, True, TOKEN_SCALED=SCALED == 2,
+            qk_scale, stride, ks_base, vs_base, scale_heads, first_bias, first_v, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
+            INTERPRET, True, TOKEN_SCALED=SCALED == 2, FIRST=FIRST,
         )  # fmt: skip
     if SCALED == 1:  # stored v = v / v_scale, and the output is linear in v
         acc = acc * tl.load(VScale + kv_head)
@@ -319,6 +352,8 @@ def _chunk_kernel(
     Out,
     KScale,
     VScale,
+    FirstK,
+    FirstV,
     block_table,
     seq_lens,
     query_start,
@@ -347,6 +382,7 @@ def _chunk_kernel(
     DECODES_APART: tl.constexpr,
     STRIDED: tl.constexpr,
     SCALED: tl.constexpr,
+    FIRST: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -388,6 +424,7 @@ def _chunk_kernel(
     if SCALED == 1:  # (as in the decode kernel)
         qk_scale = qk_scale * tl.load(KScale + kv_head)
     ks_base, vs_base, scale_heads = KScale + kv_head, VScale + kv_head, tl.num_programs(1)
+    first_bias, first_v = _first_position(q, FirstK, FirstV, kv_head, offs_d, HEAD_DIM, FIRST)
 
     row_pos = seqlen - q_len + token
     row_first = tl.maximum(row_pos - window + 1, 0)
@@ -411,23 +448,23 @@ def _chunk_kernel(
         acc, l_i, m_i = _attend_pages(
             acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
             0, every_row_from // stride, row_pos, row_first, offs_d, qk_scale, stride, ks_base,
-            vs_base, scale_heads, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
-            TOKEN_SCALED=SCALED == 2,
+            vs_base, scale_heads, first_bias, first_v, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, True,
+            TOKEN_SCALED=SCALED == 2, FIRST=FIRST,
         )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt, lo,
-        mid_lo, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2,
+        mid_lo, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads, first_bias, first_v,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2, FIRST=FIRST,
     )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        mid_lo, mid_hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False, INTERPRET, TOKEN_SCALED=SCALED == 2,
+        mid_lo, mid_hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads, first_bias, first_v,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False, INTERPRET, TOKEN_SCALED=SCALED == 2, FIRST=FIRST,
     )  # fmt: skip
     acc, l_i, m_i = _attend_pages(
         acc, l_i, m_i, q, k_base, v_base, table_row, stride_kb, stride_kt, stride_vb, stride_vt,
-        mid_hi, hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2,
+        mid_hi, hi, row_pos, row_first, offs_d, qk_scale, stride, ks_base, vs_base, scale_heads, first_bias, first_v,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True, INTERPRET, TOKEN_SCALED=SCALED == 2, FIRST=FIRST,
     )  # fmt: skip
     if SCALED == 1:
         acc = acc * tl.load(VScale + kv_head)
@@ -508,6 +545,8 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    first_key: Tensor | None = None,
+    first_value: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a step's new tokens over a paged cache that already holds them.
 
@@ -524,7 +563,10 @@ def paged_attention(
     values stored divided by them (the keys less a constant offset too, which changes no
     softmax): fp8 e4m3 pools one scale a kv head, (heads_kv,) fp32; int8 pools one a token and
     kv head, pools (num_blocks, block_size, heads_kv) fp16 beside theirs. Tiles are widened
-    to q's dtype.
+    to q's dtype. Such a cache stores each sequence's first key and value less offsets of their
+    own and passes first_key and first_value, (heads_kv, head_dim) fp32 each, in the units of
+    the stored keys and values: q . first_key is added to the scores of key 0 and its softmax
+    weight times first_value to the output (`PagedKVCache.kv_scales`).
     """
     tokens, heads_q, head_dim = q.shape
     _, page, heads_kv, _ = key_pool.shape
@@ -558,6 +600,23 @@ def paged_attention(
                     f"{name} must be {tuple(want[0])} {want[1]}, contiguous, with the other "
                     f"(for {key_pool.dtype} pools), got {got}"
                 )
+    first = first_key is not None or first_value is not None
+    if first:
+        for name, x in (("first_key", first_key), ("first_value", first_value)):
+            if (
+                not scaled
+                or x is None
+                or x.shape != (heads_kv, head_dim)
+                or x.dtype != torch.float32
+                or not x.is_contiguous()
+            ):
+                got = None if x is None else (tuple(x.shape), x.dtype)
+                raise ValueError(
+                    f"{name} must be ({heads_kv}, {head_dim}) contiguous float32, with the other "
+                    f"and the scales of a quantized cache's pools, got {got}"
+                )
+    else:
+        first_key = first_value = q  # (not read)
     scaled = 2 if per_token else int(scaled)  # the kernels' SCALED
     group = heads_q // heads_kv
     block_d = _next_pow2(head_dim)
@@ -581,12 +640,12 @@ def paged_attention(
         grid = (-(-tokens // block_q) + num_seqs, heads_kv)
         launch(
             _chunk_kernel, grid, q.device,
-            q, key_pool, value_pool, out, k_scale, v_scale, block_table, seq_lens, query_start,
-            num_seqs, *common,
+            q, key_pool, value_pool, out, k_scale, v_scale, first_key, first_value, block_table,
+            seq_lens, query_start, num_seqs, *common,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, DECODES_APART=num_seqs > 1,
-            STRIDED=stride > 0, SCALED=scaled, INTERPRET=interpret, PDL=pdl, num_warps=warps,
-            num_stages=stages,
+            STRIDED=stride > 0, SCALED=scaled, FIRST=first, INTERPRET=interpret, PDL=pdl,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
         if num_seqs == 1:
             return out
@@ -611,12 +670,12 @@ def paged_attention(
     mixed = not decodes_only
     launch(
         _decode_kernel, (num_seqs, heads_kv, splits), q.device,
-        q, key_pool, value_pool, out, acc, m, lse, k_scale, v_scale, block_table, seq_lens,
-        query_start, *common,
+        q, key_pool, value_pool, out, acc, m, lse, k_scale, v_scale, first_key, first_value,
+        block_table, seq_lens, query_start, *common,
         splits, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, SPLIT=splits > 1, MIXED=mixed,
-        STRIDED=stride > 0, SCALED=scaled, INTERPRET=interpret, PDL=pdl, num_warps=warps,
-        num_stages=stages,
+        STRIDED=stride > 0, SCALED=scaled, FIRST=first, INTERPRET=interpret, PDL=pdl,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         launch(
