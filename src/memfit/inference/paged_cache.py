@@ -41,10 +41,9 @@ its own, `first_offset[layer, 0 / 1, h]` (keys', values'), so only its small dif
 them is rounded, and the attention kernels add back what differs from the other positions at
 key 0 alone: q . `first_key` to its score and its softmax weight times `first_value` to the
 output (memfit.ops.attention.paged). On SmolLM2-135M (layers 12-29: position 0's keys within
-about 1% of their mean) fp8's perplexity cost over four rotations' draws fell from about +0.7%
-to about +0.45% (BENCHMARKS.md); keeping position 0 exact did +0.27% in the same experiment, at
-the cost of storage per sequence. Elsewhere (random weights, or heads without a sink) position
-0 takes the others' offset, as before.
+about 1% of their mean) fp8's perplexity cost over four draws of the rotation fell from +0.65%
+to +0.26% on average (+0.28% with the engine's), int8's from +0.10% to +0.05% (BENCHMARKS.md).
+Elsewhere (random weights, or heads without a sink) position 0 takes the others' offset.
 - fp8 (e4m3): each layer's kv head h stores v / v_scale[h] and (k - key_offset[h]) / k_scale[h],
   static scales that are powers of two (exact to divide by) leaving a factor 4 of headroom
   above the calibration's largest value. The kernels fold k_scale into the score scale and
