@@ -134,7 +134,7 @@ def test_a_first_position_apart_takes_offsets_of_its_own(model, kind, kernels):
     # a sequence of that first token stores zeros there, and attention gets its key and value
     # back exactly: the logits of the full-precision cache (a quantized one without the first
     # offsets misses them by fp8's or int8's rounding)
-    logits = {}
+    logits, longer = {}, [7, *_rows(1, 11, seed=9)[0]]
     for name in ("full", "quantized", "without"):
         with triton_on_cpu() if kernels else contextlib.nullcontext():
             quantized = PagedKVCache(
@@ -149,11 +149,21 @@ def test_a_first_position_apart_takes_offsets_of_its_own(model, kind, kernels):
                 quantized.first_offset[:, 1] = 0
                 quantized.first_key.zero_()
                 quantized.first_value.zero_()
-            metadata = quantized.step_metadata([0], [1])
             with torch.no_grad():
-                logits[name] = model(torch.tensor([[7]]), kv_cache=quantized, metadata=metadata)
-    torch.testing.assert_close(logits["quantized"], logits["full"], rtol=1e-5, atol=1e-5)
-    assert (logits["without"] - logits["full"]).abs().max() > 1e-3
+                metadata = quantized.step_metadata([0], [1])
+                one = model(torch.tensor([[7]]), kv_cache=quantized, metadata=metadata)
+                metadata = quantized.step_metadata([1], [len(longer)])
+                logits[name] = one, model(
+                    torch.tensor([longer]), kv_cache=quantized, metadata=metadata
+                )  # fmt: skip
+    torch.testing.assert_close(logits["quantized"][0], logits["full"][0], rtol=1e-5, atol=1e-5)
+    assert (logits["without"][0] - logits["full"][0]).abs().max() > 1e-3
+    # a longer sequence: every query weighs key 0 by its score (the key's correction) and the
+    # later keys are rounded either way; the first position's offsets bring it closer
+    errors = {
+        name: (logits[name][1] - logits["full"][1]).norm() for name in ("quantized", "without")
+    }
+    assert errors["quantized"] < 0.8 * errors["without"], errors
 
 
 def test_calibration_refuses_a_plain_or_used_cache(model):

@@ -20,7 +20,7 @@ released first.
 
 Quantized (`kv_dtype="fp8"` or `"int8"`): keys and values are stored in one byte an element,
 so the same memory holds about twice the tokens. Keys are stored less `key_offset[layer, h]`,
-the keys' mean over calibration tokens: a query's scores against every key then drop by the same
+the keys' mean over calibration tokens after each row's first: a query's scores against every key then drop by the same
 q . key_offset, which the softmax cancels, so the kernels never add it back; what it removes is
 the part of k common to all tokens, which would otherwise take the rounding error on its large
 magnitude. Then (head_dim a power of two of at least 32) the key and the query are rotated
@@ -29,7 +29,7 @@ signs of `key_rotation` and a b = 1 / head_dim (`rotation_scales`), so that q' .
 q . (k - key_offset): a few channels of the keys carry most of a score, and their rounding
 error with it; rotated, every element mixes all the channels with the same weight and the
 errors average out. The paged write does it (products exact, sums in fp32); the attention
-kernels see rotated queries and keys and need nothing. On SmolLM2-135M the KL divergence of
+kernels see rotated queries and keys and need nothing for it. On SmolLM2-135M the KL divergence of
 the next-token distribution from the full-precision cache's fell 41% for fp8 and 55% for int8;
 fp8's perplexity cost, over four rounding realizations each, from +0.92% to +0.65% on average
 (a single run's moves by +-0.4% with how its roundings fall; BENCHMARKS.md).
@@ -44,7 +44,8 @@ output (memfit.ops.attention.paged). On SmolLM2-135M (layers 12-29: position 0's
 about 1% of their mean) fp8's perplexity cost over four draws of the rotation fell from +0.65%
 to +0.26% on average (+0.28% with the engine's), int8's from +0.10% to +0.05% (BENCHMARKS.md).
 Elsewhere (random weights, or heads without a sink) position 0 takes the others' offset.
-- fp8 (e4m3): each layer's kv head h stores v / v_scale[h] and (k - key_offset[h]) / k_scale[h],
+- fp8 (e4m3): each layer's kv head h stores v / v_scale[h] and (k - key_offset[h]) / k_scale[h]
+  (at position 0 less first_offset instead, as above),
   static scales that are powers of two (exact to divide by) leaving a factor 4 of headroom
   above the calibration's largest value. The kernels fold k_scale into the score scale and
   v_scale into the output.
@@ -84,8 +85,9 @@ HEADROOM = 4.0  # fp8: the calibration's largest |value| lands at most at FP8_MA
 INT8_MAX = 127.0
 TOKEN_SCALE_BYTES = 2  # int8: each token's key and value scale per head, fp16
 # calibration: position 0 takes offsets of its own (a kv head's keys, or values) when its
-# FIRST_SAMPLES or more calibration rows' keys lie closer to their mean than FIRST_APART times
-# the mean square distance to the other positions' offset (values: to 0)
+# FIRST_SAMPLES or more calibration rows' keys have a mean square distance to their mean below
+# FIRST_APART times their mean square distance to the other positions' offset (values: to 0),
+# i.e. an rms spread below half the rms distance
 FIRST_APART, FIRST_SAMPLES = 0.25, 8
 
 
@@ -481,8 +483,9 @@ class PagedKVCache:
         """Set the key offsets (and fp8's scales) of a quantized cache (module docstring) from
         `model`'s keys and values over token `rows` (a few hundred tokens do: any text, or random
         ids), computed in the compute dtype through a temporary cache: the offset from the
-        positions after the first, the first position's own offsets from each row's first token
-        (FIRST_SAMPLES rows or more; one-token rows add samples cheaply). Call it before any
+        positions after the first; `first_offset` from each row's first token (FIRST_SAMPLES
+        rows or more; one-token rows add samples cheaply) and from it `first_key` and
+        `first_value`, what the kernels add back at key 0. Call it before any
         sequence is stored: the blocks already written would not match."""
         if not self.kv_dtype:
             raise ValueError("calibrate is for a quantized cache (kv_dtype='fp8' or 'int8')")
