@@ -12,6 +12,7 @@ import memfit.nn.quant as quant_module
 from memfit import functional as MF
 from memfit.nn import Linear
 from memfit.nn.quant import QuantLinear
+from memfit.ops.quant import gemv as gemv_module
 from memfit.ops.quant.gemv import quant_gemv
 from tests.ops.paths import kernels_on_cpu
 from tests.ops.test_quant_matmul import exact_weight, quantized, reference_weight
@@ -48,6 +49,15 @@ def test_the_quantized_gemv_is_as_exact_as_pytorchs(monkeypatch, kind, shape, dt
     kernels_on_cpu(monkeypatch)
     floor = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
     check_gemv(kind, *shape, dtype, "cpu", floor)
+
+
+@pytest.mark.parametrize("vec", [8, 16])
+@pytest.mark.parametrize("shape", SHAPES["int8"])
+def test_int8_read_eight_or_sixteen_bytes_a_thread_is_as_exact(monkeypatch, vec, shape):
+    kernels_on_cpu(monkeypatch)
+    monkeypatch.setattr(gemv_module, "INT8_VEC", vec)
+    check_gemv("int8", *shape, torch.bfloat16, "cpu", 2.0**-8)
+    check_folds("int8", 24, 192, "cpu")
 
 
 def check_folds(kind, n, k, device):
@@ -136,3 +146,15 @@ def test_the_quantized_gemv_on_cuda(kind, shape):
     check_gemv(kind, *shape, torch.bfloat16, "cuda", 1e-6)
     check_folds(kind, shape[0] // 2, shape[1], "cuda")
     check_range(kind, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vec", [8, 16])
+@pytest.mark.parametrize("config", [(2, 2048, 4, 1), (2, 1024, 2, 1), (1, 1024, 4, 3)])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (3072, 3072), (1000, 101)])
+def test_int8s_layouts_on_cuda(monkeypatch, vec, config, shape):
+    monkeypatch.setitem(gemv_module.CONFIG, "int8", config)
+    monkeypatch.setattr(gemv_module, "INT8_VEC", vec)
+    check_gemv("int8", *shape, torch.bfloat16, "cuda", 1e-6)
+    check_folds("int8", shape[0] // 2, shape[1], "cuda")

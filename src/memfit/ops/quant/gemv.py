@@ -10,8 +10,11 @@ memory, bound the kernel, so each weight costs as few as the bits allow:
 - int8 (`quantize_int8`, a scale per row): the byte, its sign bit flipped (q + 128), is put
   into the low mantissa bits of 2^23 (one logic instruction) and 2^23 + 128 is subtracted (one
   floating-point instruction); then a multiply-add with x. A program owns BLOCK_N rows and
-  walks K in tiles of BLOCK_K features, eight a thread, W's bytes and x's values in one
-  layout; a row's sum is scaled once at the end.
+  walks K in tiles of BLOCK_K features, sixteen a thread (one 16-byte load), W's bytes and x's
+  values in one layout; each tile's products are summed over a thread's sixteen at once, so the
+  accumulator is BLOCK_K / 16 values a row (a whole tile's accumulator held 16 times the
+  registers and cut the programs an SM holds: the llama-3-8b decode step took 3.40 ms against
+  3.14); a row's sum is scaled once at the end.
 - int4 (`quantize_int4`, groups of 8 * WORDS features, eight levels a 32-bit word interleaved
   in the group): a tile is (BLOCK_N rows, BLOCK_K groups, WORDS words); nibble j of a group's
   words holds its features j * WORDS .. j * WORDS + WORDS - 1, so each nibble position
@@ -51,23 +54,27 @@ from memfit.ops.gemv import _finish, check_one_row
 __all__ = ["quant_gemv", "gemv_supported"]
 
 # int8: (BLOCK_N, BLOCK_K, num_warps, num_stages); int4: (BLOCK_N, groups a tile, num_warps,
-# num_stages). The fastest of a sweep on an H100 over llama-3-8b's four layers together
-# (results/quant_gemv_variants.json): int8 88.0 us against 155 us for bf16; int4's (8, 8, 8)
-# also with x made ready by its own kernel and two tiles read ahead (82.9 us in that sweep,
-# each layer's graph replayed alone, where the x kernel's launch is not overlapped; the
-# decode step, where it is, is what got faster).
-CONFIG = {"int8": (2, 1024, 2, 1), "int4": (8, 8, 8, 1)}
+# num_stages). int8's: the fastest llama-3-8b batch-1 decode step of a sweep of 20 layouts and
+# launch configurations, each captured in the step on an H100 (results/quant_gemv_variants.json):
+# 3.14 ms against 3.40 for (2, 1024, 2, 1) with eight bytes a thread and the whole tile
+# accumulated; its BLOCK_K falls to 1024 where 2048 does not divide K (llama-3.2-3b's 3072
+# features: 1.66 ms against 1.82). int4's (8, 8, 8): the fastest of a sweep over llama-3-8b's
+# four layers together, with x made ready by its own kernel and two tiles read ahead (the
+# decode step, where that kernel's launch is overlapped, is what got faster).
+CONFIG = {"int8": (2, 2048, 4, 1), "int4": (8, 8, 8, 1)}
 # int4 products are formed at 2^-SHIFT (`_int4_products`): exact for |x| below 2^(SHIFT - 21),
 # sums normal down to 2^(SHIFT - 126)
 SHIFT = tl.constexpr(64)
 _INTERPRET = {"int8": (4, 32, 1, 1), "int4": (4, 2, 1, 1)}
+# int8: the bytes of W a thread reads at a time (one 16-byte load)
+INT8_VEC = 16
 
 
 @triton.jit
-def _int8_cols(start, BLOCK_K: tl.constexpr):
-    """A tile's features as (BLOCK_K / 8, 8): eight a thread at a time, so that W's bytes and
+def _int8_cols(start, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """A tile's features as (BLOCK_K / VEC, VEC): VEC a thread at a time, so that W's bytes and
     x's values take one layout (no exchange through shared memory)."""
-    return start + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    return start + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
 
 
 @triton.jit
@@ -95,20 +102,23 @@ def _int8_products(q, x_ptr, cols, K, EVEN: tl.constexpr):
 @triton.jit
 def _int8_rows(
     x_ptr, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """W[rows] x for int8 W (N, K) with a scale per row: (BLOCK_N,) fp32. Under PDL the first
-    tile of W is read before the wait for the kernel before."""
+    """W[rows] x for int8 W (N, K) with a scale per row: (BLOCK_N,) fp32. Each tile's products
+    are summed over a thread's VEC features at once, so the accumulator holds BLOCK_K / VEC
+    values a row, not BLOCK_K (fewer registers, more programs an SM). Under PDL the first tile
+    of W is read before the wait for the kernel before."""
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * K
-    cols = _int8_cols(0, BLOCK_K)
+    cols = _int8_cols(0, BLOCK_K, VEC)
     q = _int8_w(w_rows, cols, rows_ok, K, EVEN)
     if PDL:
         gdc_wait()
-    acc = _int8_products(q, x_ptr, cols, K, EVEN)
+    acc = tl.sum(_int8_products(q, x_ptr, cols, K, EVEN), axis=2)
     for start in range(BLOCK_K, K, BLOCK_K):
-        cols = _int8_cols(start, BLOCK_K)
-        acc += _int8_products(_int8_w(w_rows, cols, rows_ok, K, EVEN), x_ptr, cols, K, EVEN)
-    return tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(s_ptr + rows, mask=rows_ok, other=0.0)
+        cols = _int8_cols(start, BLOCK_K, VEC)
+        q = _int8_w(w_rows, cols, rows_ok, K, EVEN)
+        acc += tl.sum(_int8_products(q, x_ptr, cols, K, EVEN), axis=2)
+    return tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=rows_ok, other=0.0)
 
 
 @triton.jit
@@ -233,10 +243,12 @@ def _int4_group_sums(
 def _rows(
     x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups,
     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    EVEN: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if BITS == 8:
-        y = _int8_rows(x_ptr, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N, BLOCK_K, EVEN, PDL)
+        y = _int8_rows(
+            x_ptr, w_ptr, s_ptr, rows, rows_ok, K, BLOCK_N, BLOCK_K, VEC, EVEN, PDL
+        )  # fmt: skip
     else:
         y = _int4_rows(
             x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups,
@@ -249,8 +261,9 @@ def _rows(
 def _quant_gemv_kernel(
     x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, N, K, words_per_row, groups,
     up_rows, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    ROUND_BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """y[rows] for this program's BLOCK_N rows of N. int8: BLOCK_K features a tile (xsum_ptr
     unused); int4: BLOCK_K groups of 8 * WORDS features a tile, x and xsum as `_int4_x_kernel`
@@ -262,13 +275,13 @@ def _quant_gemv_kernel(
     rows_ok = rows < N
     y = _rows(
         x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS,
-        BLOCK_N, BLOCK_K, WORDS, EVEN, PDL,
+        BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, PDL,
     )  # fmt: skip
     up = y
     if SWIGLU:
         up = _rows(
             x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows_ok, K, words_per_row,
-            groups, BITS, BLOCK_N, BLOCK_K, WORDS, EVEN, False,
+            groups, BITS, BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, False,
         )  # fmt: skip
     _finish(
         y, up, b_ptr, r_ptr, y_ptr, rows, rows_ok, up_rows, HAS_BIAS, RESIDUAL, SWIGLU,
@@ -315,6 +328,8 @@ def quant_gemv(
     groups = scale.shape[1] if kind == "int4" else 1
     interpret = x.device.type == "cpu"
     block_n, block_k, warps, stages = (_INTERPRET if interpret else CONFIG)[kind]
+    if kind == "int8" and k % block_k and k % 1024 == 0:
+        block_k = min(block_k, 1024)  # a tile that divides K: no masked last tile
     pdl = pdl_enabled(x.device)
     y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)
     x_in, xsum = x.reshape(k).contiguous(), scale
@@ -325,7 +340,7 @@ def quant_gemv(
         x_in, xsum, values, scale, zero, bias if bias is not None else scale,
         residual.reshape(out).contiguous() if residual is not None else scale, y, out, k, k // 8,
         groups, out if swiglu else 0, BITS=8 if kind == "int8" else 4, BLOCK_N=block_n,
-        BLOCK_K=block_k, WORDS=k // groups // 8 if kind == "int4" else 1,
+        BLOCK_K=block_k, WORDS=k // groups // 8 if kind == "int4" else 1, VEC=INT8_VEC,
         EVEN=(k if kind == "int8" else groups) % block_k == 0, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, SWIGLU=swiglu,
         ROUND_BF16_BY_HAND=interpret and x.dtype == torch.bfloat16, PDL=pdl, num_warps=warps,
