@@ -4,9 +4,10 @@ Round to nearest quantizes each weight alone. GPTQ quantizes a layer's input col
 time and, after each, moves the rounding error it made onto the columns not yet quantized, in
 the proportions that keep the layer's output on calibration inputs closest (least squares under
 H = X^T X, the inputs' second moment; H^-1's Cholesky factor gives each step's update). The
-levels are the ones round to nearest would use (`quantize_int4`'s group grids, `quantize_int8`'s
+grids are the ones round to nearest would use (`quantize_int4`'s group grids, `quantize_int8`'s
 row scales, taken from the weight before any update), so the state is the same format and the
-kernels read it unchanged; only which level each weight takes differs.
+kernels read it unchanged; which level each weight takes differs, and the scales are refit to
+those levels at the end (below).
 
 Blocks are quantized in order, each on the hidden states the blocks before it produce once
 quantized, so a later layer's compensation sees the earlier layers' errors. Columns go in order of
@@ -18,7 +19,7 @@ Once each weight has its level, the scales are refit to them (`refit_scales`): t
 set from the weight's range before any update, but with the levels fixed the layer's output
 error on the calibration inputs is quadratic in a row's group scales, so their least-squares
 values under H follow from one small solve a row (zero points stay the integers they were, so
-the format and the kernels are unchanged). SmolLM2-135M, int4: perplexity +7.5% of bf16's
+the format and the kernels are unchanged). SmolLM2-135M, int4: perplexity +7.0% of bf16's
 against +9.0% without (benchmarks/results/quant_quality.json).
 
     states = gptq(model, calibration_ids, "int4")          # the model's weights now dequantized
