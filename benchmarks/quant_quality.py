@@ -103,12 +103,7 @@ def kv_quality(
     return math.exp(nll / scored), math.exp((nll - nll_full) / scored) - 1, total / scored
 
 
-_CALIBRATED: dict = {}
-# what `PagedKVCache.calibrate` sets
-CALIBRATED = (
-    "key_offset", "key_scale", "value_scale", "first_offset", "first_key", "first_value",
-    "key_rotation",
-)  # fmt: skip
+_CALIBRATED: dict = {}  # each (model, kind, rotation)'s PagedKVCache.calibration()
 
 
 def _cache(model, tokens: int, kv_dtype: str | None, rotation: int = 0) -> PagedKVCache:
@@ -125,9 +120,8 @@ def _cache(model, tokens: int, kv_dtype: str | None, rotation: int = 0) -> Paged
             if cache.key_rotation is not None:
                 cache.key_rotation = key_rotation(model.config.head_dim, rotation)
             cache.calibrate(model, kv_calibration_rows(model.config.vocab_size))
-            _CALIBRATED[key] = {name: getattr(cache, name) for name in CALIBRATED}
-        for name, value in _CALIBRATED[key].items():
-            setattr(cache, name, value)
+            _CALIBRATED[key] = cache.calibration()
+        cache.load_calibration(_CALIBRATED[key])
     return cache
 
 

@@ -16,8 +16,6 @@ from memfit.ops._triton import triton_on_cpu
 from memfit.ops.paged_write import rotation_scales
 
 CONFIG = PRESETS["tiny"]
-# what `PagedKVCache.calibrate` sets
-CALIBRATED = ("key_offset", "key_scale", "value_scale", "first_offset", "first_key", "first_value")
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +140,11 @@ def test_a_first_position_apart_takes_offsets_of_its_own(model, kind, kernels):
                 kv_dtype=None if name == "full" else kind,
             )  # fmt: skip
             if name != "full":
-                for name_ in CALIBRATED:
-                    getattr(quantized, name_).copy_(getattr(cache, name_))
-            if name == "without":
-                quantized.first_offset[:, 0] = quantized.key_offset
-                quantized.first_offset[:, 1] = 0
-                quantized.first_key.zero_()
-                quantized.first_value.zero_()
+                calibration = cache.calibration()
+                if name == "without":  # position 0 takes the others' offsets
+                    calibration["first_offset"][:, 0] = calibration["key_offset"]
+                    calibration["first_offset"][:, 1] = 0
+                quantized.load_calibration(calibration)
             with torch.no_grad():
                 metadata = quantized.step_metadata([0], [1])
                 one = model(torch.tensor([[7]]), kv_cache=quantized, metadata=metadata)
@@ -164,6 +160,61 @@ def test_a_first_position_apart_takes_offsets_of_its_own(model, kind, kernels):
         name: (logits[name][1] - logits["full"][1]).norm() for name in ("quantized", "without")
     }
     assert errors["quantized"] < 0.8 * errors["without"], errors
+
+
+def test_first_positions_spread_out_take_the_others_offsets(model):
+    # twelve rows (enough samples) whose first tokens differ: their keys spread as the later
+    # positions' do, so position 0 keeps the others' key offset and no value offset
+    rows = _rows(12, 6, seed=4)
+    assert len({row[0] for row in rows}) == 12
+    cache = PagedKVCache(
+        CONFIG, num_blocks=24, block_size=8, dtype=torch.float32, device="cpu", kv_dtype="fp8"
+    )
+    cache.calibrate(model, rows)
+    torch.testing.assert_close(cache.first_offset[:, 0], cache.key_offset)
+    assert cache.first_offset[:, 1].eq(0).all() and cache.first_value.eq(0).all()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_a_calibration_loads_into_another_cache_with_what_derives_from_it(model, kind):
+    rows = [[7] + row[1:] for row in _rows(3, 20, seed=3)] + [[7]] * 8
+    options = {"num_blocks": 24, "block_size": 8, "dtype": torch.float32, "device": "cpu"}
+    calibrated = PagedKVCache(CONFIG, kv_dtype=kind, **options)
+    calibrated.calibrate(model, rows)
+    state = calibrated.calibration()
+    assert set(state) == set(PagedKVCache.CALIBRATION)
+    assert state["key_offset"].data_ptr() != calibrated.key_offset.data_ptr()  # a copy
+    other = PagedKVCache(CONFIG, kv_dtype=kind, **options)
+    other.load_calibration(state)
+    derived = ("first_key", "first_value", "key_scale_inverse", "value_scale_inverse")
+    for name in (*PagedKVCache.CALIBRATION, *derived):
+        assert torch.equal(getattr(other, name), getattr(calibrated, name)), name
+    assert other.first_key.abs().max() > 0  # (the first position's offsets are in use)
+    if kind == "fp8":
+        torch.testing.assert_close(other.key_scale_inverse, 1 / other.key_scale)
+    # the same tokens from either cache
+    prompts = [row[:n] for row, n in zip(_rows(3, 20, seed=5), (7, 12, 20), strict=True)]
+    outputs = [
+        generate_paged(model, prompts, cache, SamplingParams(max_tokens=5))
+        for cache in (calibrated, other)
+    ]
+    assert outputs[0] == outputs[1]
+    # bad calibrations say what is wrong; nothing is set
+    before = other.key_offset.clone()
+    fresh = PagedKVCache(CONFIG, kv_dtype=kind, **options)
+    with pytest.raises(ValueError, match="calibration key_offset: this cache holds"):
+        fresh.load_calibration(state | {"key_offset": torch.zeros(1, 2)})
+    assert fresh.key_offset.eq(0).all()
+    with pytest.raises(ValueError, match="a calibration has key_offset"):
+        fresh.load_calibration({"key_offset": state["key_offset"]})
+    other.append(0, 3)
+    with pytest.raises(ValueError, match="before storing sequences"):
+        other.load_calibration(state)
+    assert torch.equal(other.key_offset, before)
+    with pytest.raises(ValueError, match="for a quantized cache"):
+        PagedKVCache(CONFIG, **options).load_calibration(state)
+    with pytest.raises(ValueError, match="a quantized cache's"):
+        PagedKVCache(CONFIG, **options).calibration()
 
 
 def test_calibration_refuses_a_plain_or_used_cache(model):
@@ -198,8 +249,7 @@ def test_generation_agrees_with_a_full_precision_cache(model, window, kind):
                 kv_dtype=kv_dtype,
             )  # fmt: skip
             if kv_dtype:  # the same calibration for both paths
-                for name_ in CALIBRATED:
-                    getattr(cache, name_).copy_(getattr(reference, name_))
+                cache.load_calibration(reference.calibration())
             outputs[name] = generate_paged(model, prompts, cache, SamplingParams(max_tokens=12))
             stored[name] = cache.keys[0].view(torch.uint8), cache.values[0].view(torch.uint8)
             if kv_dtype == "int8":
@@ -269,8 +319,7 @@ def test_preemption_recomputes_what_a_roomy_pool_keeps(model, kind):
             CONFIG, num_blocks=num_blocks, block_size=4, dtype=torch.float32, device="cpu",
             kv_dtype=kind,
         )  # fmt: skip
-        for name in ("key_offset", "key_scale", "value_scale"):
-            getattr(cache, name).copy_(getattr(calibration, name))
+        cache.load_calibration(calibration.calibration())
         engine = Engine(model, cache)
         for prompt in prompts:
             engine.add(prompt, SamplingParams(max_tokens=6))

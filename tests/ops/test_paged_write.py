@@ -104,6 +104,35 @@ def test_fp8_pools_equal_the_plain_quantization(tokens, heads_q, heads_kv, head_
     assert pools[0].view(-1, heads_kv, head_dim)[slots[0], 0].float().abs().max() == 448
 
 
+def test_fp8_inverse_scales_given_store_the_same_bytes():
+    qkv, cos, sin, slots, _ = _case(7, 4, 2, 32, torch.float32, "cpu")
+    offset = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
+    k_scale, v_scale = torch.tensor([0.25, 2.0]), torch.tensor([0.5, 0.125])
+    stored = []
+    for inverse in (None, (1 / k_scale, 1 / v_scale)):
+        pools = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]
+        with triton_on_cpu():
+            rotary_paged_write(
+                qkv, cos, sin, *pools, slots, heads_q=4, key_offset=offset, k_scale=k_scale,
+                v_scale=v_scale, inverse_scales=inverse,
+            )  # fmt: skip
+        stored.append([p.view(torch.uint8) for p in pools])
+    assert all(torch.equal(a, b) for a, b in zip(*stored, strict=True))
+    assert stored[0][0].any()
+    int8 = [torch.zeros(40, 16, 2, 32, dtype=torch.int8) for _ in "kv"]
+    scales = [torch.ones(40, 16, 2, dtype=torch.float16) for _ in "kv"]
+    fp8 = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]
+    for bad_pools, given, inverse in (
+        (int8, scales, (k_scale, v_scale)),
+        (fp8, (k_scale, v_scale), (k_scale, torch.ones(3))),
+    ):
+        with pytest.raises(ValueError, match="inverse_scales are fp8 pools'"):
+            rotary_paged_write(
+                qkv, cos, sin, *bad_pools, slots, heads_q=4, key_offset=offset, k_scale=given[0],
+                v_scale=given[1], inverse_scales=inverse,
+            )  # fmt: skip
+
+
 def test_fp8_pools_need_offset_and_scales():
     qkv, cos, sin, slots, _ = _case(3, 4, 2, 32, torch.float32, "cpu")
     pools = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]

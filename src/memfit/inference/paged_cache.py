@@ -58,6 +58,9 @@ Elsewhere (random weights, or heads without a sink) position 0 takes the others'
 fp8's 3 mantissa bits on the keys cost more than int8's 7 with per-token scales
 (benchmarks/quant_quality.py --kv). `calibrate` sets the offsets (and fp8's scales) from a
 model's forward over a few token rows; until then the offset is 0 and the scales 1.
+`calibration()` gives what it set (the tensors named in `CALIBRATION`) and `load_calibration`
+sets it on another cache of the same model, which derives the rest (`first_key`, `first_value`,
+fp8's inverse scales) as `calibrate` does.
 
 Bookkeeping (tables, lengths, the free list) is on the host, where the scheduler runs; a step's
 `AttentionMetadata` (positions, slot mapping, block table, each token's sequence) is built once
@@ -214,6 +217,9 @@ class PagedKVCache:
             self.first_value = torch.zeros(*heads, config.head_dim, device=device)
             self.key_scale = torch.ones(heads, device=device)
             self.value_scale = torch.ones(heads, device=device)
+            # fp8: 1 / the scales, what the paged write multiplies by (kept, not made each step)
+            self.key_scale_inverse = torch.ones(heads, device=device)
+            self.value_scale_inverse = torch.ones(heads, device=device)
             rotation = key_rotation(config.head_dim)
             self.key_rotation = rotation.to(device) if rotation is not None else None
         if kv_dtype == "int8":  # each slot's scale per head, beside its keys and values
@@ -403,7 +409,10 @@ class PagedKVCache:
                 flat, cos, sin, keys, values, metadata.slot_mapping, heads_q=heads_q,
                 **({"key_offset": quant[0], "k_scale": quant[1], "v_scale": quant[2],
                     "key_rotation": self.key_rotation, "first_offset": self.first_offset[layer],
-                    "positions": metadata.positions.reshape(-1)} if quant else {}),
+                    "positions": metadata.positions.reshape(-1),
+                    "inverse_scales": (self.key_scale_inverse[layer],
+                                       self.value_scale_inverse[layer])
+                    if self.kv_dtype == "fp8" else None} if quant else {}),
             )  # fmt: skip
             return q[None], keys, values
         tokens = flat.shape[0]
@@ -541,8 +550,51 @@ class PagedKVCache:
                 amax = x.abs().amax(dim=(1, 3)).clamp(min=1e-6)
                 scale.copy_(torch.exp2(torch.ceil(torch.log2(HEADROOM * amax / FP8_MAX))))
         # (int8's scales are each token's)
-        # what the kernels add back at key 0: q . (first key offset - key offset), rotated as
-        # the keys are, and the first value offset, in the units of the stored keys and values
+        self._derive()
+
+    CALIBRATION = ("key_offset", "key_scale", "value_scale", "first_offset", "key_rotation")
+    """What `calibrate` sets (the rest is derived from them: `_derive`)."""
+
+    def calibration(self) -> dict[str, Tensor | None]:
+        """A copy of this quantized cache's calibration, for `load_calibration` on another cache
+        of the same model and kind (key_rotation None where head_dim takes none)."""
+        if not self.kv_dtype:
+            raise ValueError("calibration is a quantized cache's (kv_dtype='fp8' or 'int8')")
+        return {
+            name: None if getattr(self, name) is None else getattr(self, name).clone()
+            for name in self.CALIBRATION
+        }
+
+    def load_calibration(self, state: dict[str, Tensor | None]) -> None:
+        """Set the calibration `calibration()` gave (or one of the same names and shapes), and
+        what derives from it. Call it before any sequence is stored, as `calibrate`."""
+        if not self.kv_dtype:
+            raise ValueError("load_calibration is for a quantized cache (kv_dtype='fp8' or 'int8')")
+        if self.tables:
+            raise ValueError(
+                f"load a calibration before storing sequences; {len(self.tables)} are stored"
+            )
+        if set(state) != set(self.CALIBRATION):
+            raise ValueError(
+                f"a calibration has {', '.join(self.CALIBRATION)}; got {', '.join(sorted(state))}"
+            )
+        for name in self.CALIBRATION:
+            mine, theirs = getattr(self, name), state[name]
+            if (mine is None) != (theirs is None) or (
+                mine is not None and theirs.shape != mine.shape
+            ):
+                want = None if mine is None else tuple(mine.shape)
+                got = None if theirs is None else tuple(theirs.shape)
+                raise ValueError(f"calibration {name}: this cache holds {want}, got {got}")
+        for name in self.CALIBRATION:
+            if state[name] is not None:
+                getattr(self, name).copy_(state[name])
+        self._derive()
+
+    def _derive(self) -> None:
+        """What follows from the calibration: what the kernels add back at key 0, q . (first key
+        offset - key offset), rotated as the keys are, and the first value offset, in the units
+        of the stored keys and values; fp8's inverse scales for the paged write."""
         delta = self.first_offset[:, 0] - self.key_offset
         if self.key_rotation is not None:
             delta = delta @ self.key_rotation * rotation_scales(delta.shape[-1])[1]
@@ -551,3 +603,5 @@ class PagedKVCache:
             delta, value = delta / self.key_scale[..., None], value / self.value_scale[..., None]
         self.first_key.copy_(delta)
         self.first_value.copy_(value)
+        self.key_scale_inverse.copy_(1 / self.key_scale)
+        self.value_scale_inverse.copy_(1 / self.value_scale)

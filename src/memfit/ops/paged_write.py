@@ -260,6 +260,7 @@ def rotary_paged_write(
     key_rotation: Tensor | None = None,
     first_offset: Tensor | None = None,
     positions: Tensor | None = None,
+    inverse_scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Rotate q and k of `qkv` by the tables, write k and v to `slots` of the pools, return q.
 
@@ -287,6 +288,8 @@ def rotary_paged_write(
     the tokens' positions: a token at position 0 has its key stored less first_offset[0] (not
     key_offset) and its value less first_offset[1] (`PagedKVCache`: the first position's
     offsets).
+    inverse_scales, fp8 pools: (1 / k_scale, 1 / v_scale), where the caller keeps them (a
+    `PagedKVCache` does), so that a call makes no kernels of its own to invert the scales.
     """
     tokens, width = qkv.shape
     _, _, heads_kv, head_dim = key_pool.shape
@@ -321,7 +324,21 @@ def rotary_paged_write(
                     f"{key_pool.dtype} pools need {name}: {tuple(shape)} contiguous {dtype}, "
                     f"got {got}"
                 )
-        extras = (key_offset, k_scale, v_scale) if int8 else (key_offset, 1 / k_scale, 1 / v_scale)
+        if inverse_scales is not None and (
+            int8 or any(t.shape != (heads_kv,) or t.dtype != torch.float32 or not t.is_contiguous()
+                        for t in inverse_scales)
+        ):  # fmt: skip
+            raise ValueError(
+                f"inverse_scales are fp8 pools' ({heads_kv},) contiguous float32 1 / k_scale and "
+                f"1 / v_scale; got {[(tuple(t.shape), t.dtype) for t in inverse_scales]} for "
+                f"{key_pool.dtype} pools"
+            )
+        if int8:
+            extras = (key_offset, k_scale, v_scale)
+        elif inverse_scales is not None:
+            extras = (key_offset, *inverse_scales)
+        else:
+            extras = (key_offset, 1 / k_scale, 1 / v_scale)
     else:
         extras = (cos, cos, cos)  # (not read)
     if key_rotation is not None:
