@@ -104,14 +104,18 @@ def test_fp8_pools_equal_the_plain_quantization(tokens, heads_q, heads_kv, head_
     assert pools[0].view(-1, heads_kv, head_dim)[slots[0], 0].float().abs().max() == 448
 
 
-def test_fp8_inverse_scales_given_store_the_same_bytes():
-    qkv, cos, sin, slots, _ = _case(7, 4, 2, 32, torch.float32, "cpu")
-    offset = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
-    k_scale, v_scale = torch.tensor([0.25, 2.0]), torch.tensor([0.5, 0.125])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_inverse_scales_given_store_the_same_bytes(device):
+    qkv, cos, sin, slots, _ = _case(7, 4, 2, 32, torch.float32, device)
+    offset = torch.randn(2, 32, generator=torch.Generator().manual_seed(2)).to(device)
+    k_scale, v_scale = (
+        torch.tensor([0.25, 2.0], device=device),
+        torch.tensor([0.5, 0.125], device=device),
+    )
     stored = []
     for inverse in (None, (1 / k_scale, 1 / v_scale)):
-        pools = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]
-        with triton_on_cpu():
+        pools = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn, device=device) for _ in "kv"]
+        with triton_on_cpu() if device == "cpu" else contextlib.nullcontext():
             rotary_paged_write(
                 qkv, cos, sin, *pools, slots, heads_q=4, key_offset=offset, k_scale=k_scale,
                 v_scale=v_scale, inverse_scales=inverse,
@@ -119,12 +123,12 @@ def test_fp8_inverse_scales_given_store_the_same_bytes():
         stored.append([p.view(torch.uint8) for p in pools])
     assert all(torch.equal(a, b) for a, b in zip(*stored, strict=True))
     assert stored[0][0].any()
-    int8 = [torch.zeros(40, 16, 2, 32, dtype=torch.int8) for _ in "kv"]
-    scales = [torch.ones(40, 16, 2, dtype=torch.float16) for _ in "kv"]
-    fp8 = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn) for _ in "kv"]
+    int8 = [torch.zeros(40, 16, 2, 32, dtype=torch.int8, device=device) for _ in "kv"]
+    scales = [torch.ones(40, 16, 2, dtype=torch.float16, device=device) for _ in "kv"]
+    fp8 = [torch.zeros(40, 16, 2, 32, dtype=torch.float8_e4m3fn, device=device) for _ in "kv"]
     for bad_pools, given, inverse in (
         (int8, scales, (k_scale, v_scale)),
-        (fp8, (k_scale, v_scale), (k_scale, torch.ones(3))),
+        (fp8, (k_scale, v_scale), (k_scale, torch.ones(3, device=device))),
     ):
         with pytest.raises(ValueError, match="inverse_scales are fp8 pools'"):
             rotary_paged_write(
