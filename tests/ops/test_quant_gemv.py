@@ -2,7 +2,10 @@
 interpreter, and its GPU twin: y = W x with W held as int8 or int4 is within 2x of the error of
 PyTorch's dequantize-then-matmul in the same precision (both against fp64 on the exact
 dequantized W), on odd shapes and int4's smaller groups; the swiglu and residual folds give the
-values of the separate ops; a quantized layer takes the kernel for one row without a gradient."""
+values of the separate ops; a quantized layer takes the kernel for one row without a gradient.
+On CUDA int4 multiplies in packed fp16 pairs (x scaled by a power of two a group): x's packing
+is checked under the interpreter, the products on the GPU, with activations spread over many
+orders of magnitude and with the fp32 products for comparison."""
 
 import pytest
 import torch
@@ -97,6 +100,31 @@ def check_range(kind, device):
         torch.testing.assert_close(scaled, y * 2.0**power, atol=0, rtol=0)
 
 
+def test_int4s_packed_halves_hold_x_exactly_with_its_largest_below_256(monkeypatch):
+    """x for the packed-half int4 product: each group's x scaled by a power of two that puts its
+    largest |x| in [128, 256), as fp16 pairs (features p * W + c, (p + 4) * W + c) that read back
+    exactly; a group of zeros, and values from 1e-30 to 1e30, included."""
+    kernels_on_cpu(monkeypatch)
+    k, groups = 640, 5
+    x = torch.randn(k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for g, power in enumerate((0.0, 1e-30, 1e30, 1e4)):
+        x[g * 128 : (g + 1) * 128] *= power
+    x[500] = 3e4
+    xh, xinv = gemv_module._int4_x(x, groups, pdl=False, half=True)
+    assert xh.dtype == torch.int32 and xh.shape == (k // 2,) and xinv.shape == (groups,)
+    words = k // groups // 8
+    halves = [(xh & 0xFFFF).to(torch.int16), (xh >> 16).to(torch.int16)]
+    lo, hi = (h.view(torch.float16).float().reshape(groups, 4, words) for h in halves)
+    assert torch.isfinite(lo).all() and torch.isfinite(hi).all()
+    inv = xinv[:, None, None]
+    expected = x.float().reshape(groups, 8, words)
+    torch.testing.assert_close(lo * inv, expected[:, :4], atol=0, rtol=0)
+    torch.testing.assert_close(hi * inv, expected[:, 4:], atol=0, rtol=0)
+    top = torch.maximum(lo.abs().amax(dim=(1, 2)), hi.abs().amax(dim=(1, 2)))
+    assert ((top >= 128) & (top < 256) | (top == 0)).all(), top
+    assert top[0] == 0 and xinv[0] > 0
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_quantized_layer_takes_the_gemv_for_one_row(monkeypatch, kind):
     kernels_on_cpu(monkeypatch)
@@ -158,3 +186,24 @@ def test_int8s_layouts_on_cuda(monkeypatch, vec, config, shape):
     monkeypatch.setattr(gemv_module, "INT8_VEC", vec)
     check_gemv("int8", *shape, torch.bfloat16, "cuda", 1e-6)
     check_folds("int8", shape[0] // 2, shape[1], "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("half", [True, False])
+@pytest.mark.parametrize("shape", [(4096, 4096), (3072, 8192), (1000, 576)])
+def test_int4_in_packed_halves_on_cuda_across_outliers(monkeypatch, half, shape):
+    """The packed-half int4 product (and the fp32 one) within 2x PyTorch's error where x spans
+    1e-6 to 3e4 across groups (a massive activation, a nearly silent group)."""
+    monkeypatch.setattr(gemv_module, "INT4_HALF", half)
+    n, k = shape
+    state = quantized("int4", n, k, "cuda")
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    x[0, ::97] *= 300.0
+    x[0, 7] = 3e4
+    x[0, 128:256] *= 1e-6
+    x = x.to("cuda", torch.bfloat16)
+    y = quant_gemv(x, state, "int4", (n, k))
+    baseline = F.linear(x, reference_weight(state, "int4", (n, k), torch.bfloat16))
+    expected = x.double() @ exact_weight(state, "int4", (n, k)).T
+    assert_error_within(y, baseline, expected, name=f"int4 half={half} {n}x{k}", floor=1e-6)

@@ -29,6 +29,19 @@ memory, bound the kernel, so each weight costs as few as the bits allow:
   An A/B in llama-3-8b's batch-1 decode step on an H100: 3.07 ms against 3.18 for the kernel
   that scaled x in each thread and read one tile ahead (llama-3.2-3b: 1.78 against 1.76;
   results/quant_gemv_variants.json).
+- int4 on CUDA, in packed halves (`_int4_half_sums`, PTX): that loop still spent 131
+  instructions on a thread's four words a tile and read x from L1 at four bytes a weight (the
+  profiler: L1 85% busy, DRAM 50%). Two nibbles masked into the mantissas of the fp16 pair
+  (1024, 1024) (one lop3) read as 1024 + q; one packed subtract of (1024 + z) (or multiply-add
+  by 1/16 for the nibbles one place higher) leaves q - z exactly, and one packed multiply-add
+  accumulates it times a pair of x: three instructions for two weights, the zero point taken off
+  on the way, x read at two bytes a weight. A small kernel first scales each group's x by the
+  power of two that puts its largest |x| in [128, 256) (bf16 values are exact in fp16 there)
+  and packs the pairs (`_int4_half_x_kernel`); a thread's 32 products are summed in fp16 (below
+  61440, no overflow), widened, and scaled by the group's scale over that power of two in fp32.
+  109 instructions for the four words; llama-3-8b's batch-1 decode step on an H100 2.57 ms
+  against 3.05 (results/quant_gemv_variants.json). Its error against fp64 stays below PyTorch's
+  (dequantized to bf16, then the product) because the fp16 sums of 16 terms round at 2^-11.
 
 Numerics: x widened to fp32, every product exact in fp32, sums in fp32, scales applied in
 fp32, one rounding to the output dtype: more exact than multiplying by the weight dequantized
@@ -68,6 +81,8 @@ SHIFT = tl.constexpr(64)
 _INTERPRET = {"int8": (4, 32, 1, 1), "int4": (4, 2, 1, 1)}
 # int8: the bytes of W a thread reads at a time (one 16-byte load)
 INT8_VEC = 16
+# int4 on CUDA: products in packed fp16 pairs (`_int4_half_sums`); False: the fp32 products
+INT4_HALF = True
 
 
 @triton.jit
@@ -165,6 +180,84 @@ def _int4_x_kernel(
     tl.store(xsum_ptr + g[:, None] * WORDS + word[None, :], xsum, mask=(g < groups)[:, None])
 
 
+# The packed-half int4 product of one thread's four words of a group (PTX), `_int4_half_sums`:
+# operands $1-$4 the words, $5 + 4k + p the fp16 pair of x that pair p of word k multiplies, $21
+# the pair (1024 + z, 1024 + z), $22 (-(64 + z), -(64 + z)); $0 the fp32 sum of the 32 products.
+_HALF_ASM = tl.constexpr(
+    "{ .reg .b32 v, s, acc, r16; .reg .f16 lo, hi; .reg .f32 flo, fhi; "
+    "mov.b32 r16, 0x2C002C00; "
+    "lop3.b32 v, $1, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "mul.f16x2 acc, v, $5; "
+    "lop3.b32 v, $1, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $6, acc; shr.b32 s, $1, 8; "
+    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "fma.rn.f16x2 acc, v, $7, acc; "
+    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $8, acc; "
+    "lop3.b32 v, $2, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "fma.rn.f16x2 acc, v, $9, acc; "
+    "lop3.b32 v, $2, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $10, acc; shr.b32 s, $2, 8; "
+    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "fma.rn.f16x2 acc, v, $11, acc; "
+    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $12, acc; "
+    "lop3.b32 v, $3, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "fma.rn.f16x2 acc, v, $13, acc; "
+    "lop3.b32 v, $3, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $14, acc; shr.b32 s, $3, 8; "
+    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "fma.rn.f16x2 acc, v, $15, acc; "
+    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $16, acc; "
+    "lop3.b32 v, $4, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "fma.rn.f16x2 acc, v, $17, acc; "
+    "lop3.b32 v, $4, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $18, acc; shr.b32 s, $4, 8; "
+    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+    "fma.rn.f16x2 acc, v, $19, acc; "
+    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+    "fma.rn.f16x2 acc, v, $20, acc; "
+    "mov.b32 {lo, hi}, acc; cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi; add.f32 flo, flo, fhi; "
+    "mov.b32 $0, flo; }"
+)
+_HALF_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 22))
+# -(64 + z) as fp16 in both halves: 0xD400 | z << 4
+_MINUS_64 = tl.constexpr(-738143232)  # 0xD400D400 as int32
+
+
+@triton.jit
+def _int4_half_x_kernel(
+    x_ptr, xh_ptr, xinv_ptr, K, groups, WORDS: tl.constexpr, GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """x made ready for the packed-half int4 product (`_int4_half_sums`): xh (groups, 4, WORDS)
+    int32, each an fp16 pair (low: feature p * WORDS + c of the group, high: (p + 4) * WORDS + c,
+    the features nibbles p and p + 4 of the group's word c multiply), the group's x scaled by a
+    power of two that puts its largest |x| in [128, 256) (bf16 values are exact in fp16 there,
+    and sixteen products of levels below 16 stay below fp16's largest); xinv (groups,) fp32, the
+    power of two that undoes it. A program takes GROUPS groups, as (GROUPS, 4 pairs, WORDS)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    inside = tl.arange(0, 4)[None, :, None] * WORDS + tl.arange(0, WORDS)[None, None, :]
+    feats = g[:, None, None] * (8 * WORDS) + inside
+    ok = feats < K
+    lo = tl.load(x_ptr + feats, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + feats + 4 * WORDS, mask=ok, other=0.0).to(tl.float32)
+    top = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=2), axis=1),
+                     tl.max(tl.max(tl.abs(hi), axis=2), axis=1))  # fmt: skip
+    # top in [2^(e - 127), 2^(e - 126)) for its biased exponent e; 2^(134 - e) takes it to
+    # [128, 256) (e kept where both powers are normal floats)
+    e = tl.minimum(tl.maximum((top.to(tl.int32, bitcast=True) >> 23) & 0xFF, 8), 254)
+    up = ((261 - e) << 23).to(tl.float32, bitcast=True)[:, None, None]
+    lo16 = (lo * up).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = (hi * up).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(xh_ptr + g[:, None, None] * (4 * WORDS) + inside, lo16 | (hi16 << 16), mask=ok)
+    tl.store(xinv_ptr + g, ((e - 7) << 23).to(tl.float32, bitcast=True), mask=g < groups)
+
+
 @triton.jit
 def _int4_products(w, xs_ptr, xsum_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr):
     """Over each word's eight nibbles, (sum of q x, sum of x), both times 2^-SHIFT:
@@ -200,7 +293,7 @@ def _int4_products(w, xs_ptr, xsum_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl
 def _int4_rows(
     xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups,
     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """W[rows] x for int4 W (N, K) in groups of 8 * WORDS features: (BLOCK_N,) fp32. A tile is
     (BLOCK_N, TILE_GROUPS, WORDS) words; nibble j of a group's words multiplies the group's
@@ -216,7 +309,10 @@ def _int4_rows(
     w1, scale1, zero1 = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g1, rows_ok, groups, WORDS, EVEN)
     if PDL:
         gdc_wait()
-    acc = tl.zeros(w.shape, dtype=tl.float32)
+    if HALF:  # a sum for each thread's four words of a group
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS // 4), dtype=tl.float32)
+    else:
+        acc = tl.zeros(w.shape, dtype=tl.float32)
     for first in range(2 * TILE_GROUPS, groups + 2 * TILE_GROUPS, TILE_GROUPS):
         next_g = (tl.minimum(first, groups - TILE_GROUPS) if EVEN else first) + tl.arange(
             0, TILE_GROUPS
@@ -224,26 +320,102 @@ def _int4_rows(
         w2, scale2, zero2 = _int4_tile(
             w_rows, s_ptr, z_ptr, s_rows, next_g, rows_ok, groups, WORDS, EVEN
         )  # fmt: skip
-        acc += _int4_group_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN)
+        acc += _int4_group_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN, HALF)
         w, scale, zero, g = w1, scale1, zero1, g1
         w1, scale1, zero1, g1 = w2, scale2, zero2, next_g
-    return tl.sum(tl.sum(acc, axis=2), axis=1) * 2.0**SHIFT
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if not HALF:
+        y = y * 2.0**SHIFT
+    return y
 
 
 @triton.jit
 def _int4_group_sums(
-    w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr
+    w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr,
+    HALF: tl.constexpr,
 ):  # fmt: skip
-    """scale (q - z) x summed over each word's nibbles, times 2^-SHIFT."""
-    part, xsum = _int4_products(w, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN)
-    return (part - zero.to(tl.float32)[:, :, None] * xsum) * scale[:, :, None]
+    """scale (q - z) x summed over each word's nibbles, times 2^-SHIFT; HALF: over each thread's
+    four words of a group, in packed halves (`_int4_half_sums`, x as `_int4_half_x_kernel`
+    leaves it in xs_ptr and xsum_ptr)."""
+    if HALF:
+        sums = _int4_half_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN)
+    else:
+        part, xsum = _int4_products(w, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN)
+        sums = (part - zero.to(tl.float32)[:, :, None] * xsum) * scale[:, :, None]
+    return sums
+
+
+@triton.jit
+def _quarters(t):
+    """A (..., WORDS) tile whose WORDS a thread holds four at a time as four (..., WORDS / 4)
+    tiles, one a word of the four (the same split for every tile, so they stay matched)."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2] // 4, 2, 2)))
+    t0, t1 = tl.split(a)
+    t2, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _int4_half_x(xh_ptr, xinv_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """x's four pairs for groups g, (1, TILE_GROUPS, WORDS) int32 each, and xinv (TILE_GROUPS,)
+    (`_int4_half_x_kernel`); zeros past the last group."""
+    x_tile = xh_ptr + (g[:, None] * (4 * WORDS) + tl.arange(0, WORDS)[None, :])[None, :, :]
+    g_ok = (g < groups)[None, :, None]
+    if EVEN:
+        x0 = tl.load(x_tile)
+        x1 = tl.load(x_tile + WORDS)
+        x2 = tl.load(x_tile + 2 * WORDS)
+        x3 = tl.load(x_tile + 3 * WORDS)
+        xinv = tl.load(xinv_ptr + g)
+    else:
+        x0 = tl.load(x_tile, mask=g_ok, other=0)
+        x1 = tl.load(x_tile + WORDS, mask=g_ok, other=0)
+        x2 = tl.load(x_tile + 2 * WORDS, mask=g_ok, other=0)
+        x3 = tl.load(x_tile + 3 * WORDS, mask=g_ok, other=0)
+        xinv = tl.load(xinv_ptr + g, mask=g < groups, other=0.0)
+    return x0, x1, x2, x3, xinv
+
+
+@triton.jit
+def _int4_half_sums(
+    w, scale, zero, xh_ptr, xinv_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.constexpr
+):  # fmt: skip
+    """scale (q - z) x summed over each thread's four words of a group, in packed halves (PTX,
+    CUDA only): (BLOCK_N, TILE_GROUPS, WORDS / 4) fp32, from x as `_int4_half_x_kernel` leaves
+    it. A pair of nibbles masked into the mantissas of (1024, 1024) (one lop3) reads as
+    (1024 + q, 1024 + q') or, one nibble higher, (1024 + 16q, ...); one packed subtract (or
+    multiply-add by 1/16) leaves the exact q - z, and one packed multiply-add accumulates it times
+    x's pair: three instructions for two weights. The 32 products of the four words are summed
+    in fp16 (below 61440: |q - z| < 16, |x| < 256), then widened, scaled by the group's scale
+    and x's power of two in fp32."""
+    x0, x1, x2, x3, xinv = _int4_half_x(xh_ptr, xinv_ptr, g, groups, WORDS, EVEN)
+    w0, w1, w2, w3 = _quarters(w)
+    a00, a01, a02, a03 = _quarters(x0)
+    a10, a11, a12, a13 = _quarters(x1)
+    a20, a21, a22, a23 = _quarters(x2)
+    a30, a31, a32, a33 = _quarters(x3)
+    z = zero.to(tl.int32) * 65537
+    z_lo = (z | 0x64006400)[:, :, None]
+    z_hi = ((z << 4) | _MINUS_64)[:, :, None]
+    part = tl.inline_asm_elementwise(
+        _HALF_ASM, _HALF_CONSTRAINTS,
+        [w0, w1, w2, w3,
+         a00, a10, a20,
+         a30, a01, a11,
+         a21, a31, a02,
+         a12, a22, a32,
+         a03, a13, a23,
+         a33, z_lo, z_hi],
+        dtype=tl.int32, is_pure=True, pack=1,
+    ).to(tl.float32, bitcast=True)  # fmt: skip
+    return part * (scale * xinv[None, :])[:, :, None]
 
 
 @triton.jit
 def _rows(
     x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups,
     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    VEC: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     if BITS == 8:
         y = _int8_rows(
@@ -252,7 +424,7 @@ def _rows(
     else:
         y = _int4_rows(
             x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups,
-            BLOCK_N, BLOCK_K, WORDS, EVEN, PDL,
+            BLOCK_N, BLOCK_K, WORDS, EVEN, PDL, HALF,
         )  # fmt: skip
     return y
 
@@ -263,7 +435,7 @@ def _quant_gemv_kernel(
     up_rows, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
     VEC: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """y[rows] for this program's BLOCK_N rows of N. int8: BLOCK_K features a tile (xsum_ptr
     unused); int4: BLOCK_K groups of 8 * WORDS features a tile, x and xsum as `_int4_x_kernel`
@@ -275,13 +447,13 @@ def _quant_gemv_kernel(
     rows_ok = rows < N
     y = _rows(
         x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS,
-        BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, PDL,
+        BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, PDL, HALF,
     )  # fmt: skip
     up = y
     if SWIGLU:
         up = _rows(
             x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows_ok, K, words_per_row,
-            groups, BITS, BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, False,
+            groups, BITS, BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, False, HALF,
         )  # fmt: skip
     _finish(
         y, up, b_ptr, r_ptr, y_ptr, rows, rows_ok, up_rows, HAS_BIAS, RESIDUAL, SWIGLU,
@@ -289,10 +461,20 @@ def _quant_gemv_kernel(
     )  # fmt: skip
 
 
-def _int4_x(x: Tensor, groups: int, pdl: bool) -> tuple[Tensor, Tensor]:
-    """x (K,) as the int4 product reads it: (xs (K,), xsum (K / 8,)), fp32 (`_int4_x_kernel`)."""
+def _int4_x(x: Tensor, groups: int, pdl: bool, half: bool) -> tuple[Tensor, Tensor]:
+    """x (K,) as the int4 product reads it: (xs (K,), xsum (K / 8,)), fp32 (`_int4_x_kernel`);
+    half: (xh (K / 2,) int32, xinv (groups,) fp32) (`_int4_half_x_kernel`)."""
     k = x.shape[0]
     words = k // groups // 8
+    if half:
+        xh = torch.empty(k // 2, dtype=torch.int32, device=x.device)
+        xinv = torch.empty(groups, dtype=torch.float32, device=x.device)
+        per_program = max(1, 1024 // (8 * words))
+        launch(
+            _int4_half_x_kernel, (triton.cdiv(groups, per_program),), x.device, x, xh, xinv, k,
+            groups, WORDS=words, GROUPS=per_program, PDL=pdl, num_warps=4,
+        )  # fmt: skip
+        return xh, xinv
     xs = torch.empty(k, dtype=torch.float32, device=x.device)
     xsum = torch.empty(k // 8, dtype=torch.float32, device=x.device)
     per_program = max(1, 1024 // (8 * words))  # groups a program: about 1024 features
@@ -331,10 +513,12 @@ def quant_gemv(
     if kind == "int8" and k % block_k and k % 1024 == 0:
         block_k = min(block_k, 1024)  # a tile that divides K: no masked last tile
     pdl = pdl_enabled(x.device)
+    # int4 in packed halves (PTX: CUDA only), where a thread's four words hold one group's
+    half = INT4_HALF and kind == "int4" and not interpret and (k // groups // 8) % 4 == 0
     y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)
     x_in, xsum = x.reshape(k).contiguous(), scale
     if kind == "int4":  # x scaled and summed once for all the rows, by a small kernel before
-        x_in, xsum = _int4_x(x_in, groups, pdl)
+        x_in, xsum = _int4_x(x_in, groups, pdl, half)
     launch(
         _quant_gemv_kernel, (triton.cdiv(out, block_n),), x.device,
         x_in, xsum, values, scale, zero, bias if bias is not None else scale,
@@ -343,7 +527,8 @@ def quant_gemv(
         BLOCK_K=block_k, WORDS=k // groups // 8 if kind == "int4" else 1, VEC=INT8_VEC,
         EVEN=(k if kind == "int8" else groups) % block_k == 0, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, SWIGLU=swiglu,
-        ROUND_BF16_BY_HAND=interpret and x.dtype == torch.bfloat16, PDL=pdl, num_warps=warps,
+        ROUND_BF16_BY_HAND=interpret and x.dtype == torch.bfloat16, PDL=pdl, HALF=half,
+        num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     return y
