@@ -132,3 +132,25 @@ def test_llm_with_a_quantized_cache_holds_twice_the_blocks(kind):
     assert abs(llm.cache.pool.num_blocks - ratio * blocks) <= 0.01 * blocks
     outputs = llm.generate(prompts((5, 30, 2)), SamplingParams(max_tokens=20), progress=False)
     assert [len(o.token_ids) for o in outputs] == [20, 20, 20]
+
+
+def test_int4_weights_decode_the_same_in_graphs_and_eager_and_in_fp32_products(monkeypatch):
+    """A model held in int4 on the GPU: its batch-1 decode steps (the packed-half GEMV, groups of
+    128 and, for down's 352 features, of 32) give the same greedy tokens replayed from CUDA
+    graphs as eagerly, and mostly the tokens of the fp32-product kernel (near ties may differ)."""
+    from memfit.ops.quant import gemv as gemv_module
+
+    batch = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def tokens(cuda_graphs):
+        llm = LLM("tiny", device="cuda", quantize="int4", max_running=1, memory_fraction=0.3,
+                  cuda_graphs=cuda_graphs)  # fmt: skip
+        return [out.token_ids for out in llm.generate(batch, params, progress=False)]
+
+    graphs = tokens(True)
+    assert graphs == tokens(False)
+    monkeypatch.setattr(gemv_module, "INT4_HALF", False)
+    fp32 = tokens(True)
+    same = sum(a == b for x, y in zip(graphs, fp32, strict=True) for a, b in zip(x, y, strict=True))
+    assert same >= 0.75 * 8 * len(batch), (graphs, fp32)
