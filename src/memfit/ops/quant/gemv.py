@@ -182,45 +182,31 @@ def _int4_x_kernel(
     tl.store(xsum_ptr + g[:, None] * WORDS + word[None, :], xsum, mask=(g < groups)[:, None])
 
 
+def _half_asm_word(k: int) -> str:
+    """PTX for word k of the four (operand $1 + k): its four nibble pairs, each made q - z
+    (lop3, then sub.f16x2 or, one nibble higher, fma.rn.f16x2 by 1/16 = r16) and multiplied
+    into acc with x's pair $5 + 4k + p (the first product of word 0 starts acc)."""
+    w, x = f"${1 + k}", [f"${5 + 4 * k + p}" for p in range(4)]
+    first = f"mul.f16x2 acc, v, {x[0]}; " if k == 0 else f"fma.rn.f16x2 acc, v, {x[0]}, acc; "
+    return (
+        f"lop3.b32 v, {w}, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; {first}"
+        f"lop3.b32 v, {w}, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+        f"fma.rn.f16x2 acc, v, {x[1]}, acc; shr.b32 s, {w}, 8; "
+        f"lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
+        f"fma.rn.f16x2 acc, v, {x[2]}, acc; "
+        f"lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
+        f"fma.rn.f16x2 acc, v, {x[3]}, acc; "
+    )
+
+
 # The packed-half int4 product of one thread's four words of a group (PTX), `_int4_half_sums`:
 # operands $1-$4 the words, $5 + 4k + p the fp16 pair of x that pair p of word k multiplies, $21
 # the pair (1024 + z, 1024 + z), $22 (-(64 + z), -(64 + z)); $0 the fp32 sum of the 32 products.
 _HALF_ASM = tl.constexpr(
     "{ .reg .b32 v, s, acc, r16; .reg .f16 lo, hi; .reg .f32 flo, fhi; "
     "mov.b32 r16, 0x2C002C00; "
-    "lop3.b32 v, $1, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "mul.f16x2 acc, v, $5; "
-    "lop3.b32 v, $1, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $6, acc; shr.b32 s, $1, 8; "
-    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "fma.rn.f16x2 acc, v, $7, acc; "
-    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $8, acc; "
-    "lop3.b32 v, $2, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "fma.rn.f16x2 acc, v, $9, acc; "
-    "lop3.b32 v, $2, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $10, acc; shr.b32 s, $2, 8; "
-    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "fma.rn.f16x2 acc, v, $11, acc; "
-    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $12, acc; "
-    "lop3.b32 v, $3, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "fma.rn.f16x2 acc, v, $13, acc; "
-    "lop3.b32 v, $3, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $14, acc; shr.b32 s, $3, 8; "
-    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "fma.rn.f16x2 acc, v, $15, acc; "
-    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $16, acc; "
-    "lop3.b32 v, $4, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "fma.rn.f16x2 acc, v, $17, acc; "
-    "lop3.b32 v, $4, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $18, acc; shr.b32 s, $4, 8; "
-    "lop3.b32 v, s, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 v, v, $21; "
-    "fma.rn.f16x2 acc, v, $19, acc; "
-    "lop3.b32 v, s, 0x00F000F0, 0x64006400, 0xEA; fma.rn.f16x2 v, v, r16, $22; "
-    "fma.rn.f16x2 acc, v, $20, acc; "
-    "mov.b32 {lo, hi}, acc; cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi; add.f32 flo, flo, fhi; "
+    + "".join(_half_asm_word(k) for k in range(4))
+    + "mov.b32 {lo, hi}, acc; cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi; add.f32 flo, flo, fhi; "
     "mov.b32 $0, flo; }"
 )
 _HALF_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 22))
@@ -402,12 +388,11 @@ def _int4_half_sums(
     part = tl.inline_asm_elementwise(
         _HALF_ASM, _HALF_CONSTRAINTS,
         [w0, w1, w2, w3,
-         a00, a10, a20,
-         a30, a01, a11,
-         a21, a31, a02,
-         a12, a22, a32,
-         a03, a13, a23,
-         a33, z_lo, z_hi],
+         a00, a10, a20, a30,  # word 0's four pairs of x
+         a01, a11, a21, a31,
+         a02, a12, a22, a32,
+         a03, a13, a23, a33,
+         z_lo, z_hi],
         dtype=tl.int32, is_pure=True, pack=1,
     ).to(tl.float32, bitcast=True)  # fmt: skip
     return part * (scale * xinv[None, :])[:, :, None]
@@ -468,10 +453,10 @@ def _int4_x(x: Tensor, groups: int, pdl: bool, half: bool) -> tuple[Tensor, Tens
     half: (xh (K / 2,) int32, xinv (groups,) fp32) (`_int4_half_x_kernel`)."""
     k = x.shape[0]
     words = k // groups // 8
+    per_program = max(1, 1024 // (8 * words))  # groups a program: about 1024 features
     if half:
         xh = torch.empty(k // 2, dtype=torch.int32, device=x.device)
         xinv = torch.empty(groups, dtype=torch.float32, device=x.device)
-        per_program = max(1, 1024 // (8 * words))
         launch(
             _int4_half_x_kernel, (triton.cdiv(groups, per_program),), x.device, x, xh, xinv, k,
             groups, WORDS=words, GROUPS=per_program, PDL=pdl, num_warps=4,
@@ -479,7 +464,6 @@ def _int4_x(x: Tensor, groups: int, pdl: bool, half: bool) -> tuple[Tensor, Tens
         return xh, xinv
     xs = torch.empty(k, dtype=torch.float32, device=x.device)
     xsum = torch.empty(k // 8, dtype=torch.float32, device=x.device)
-    per_program = max(1, 1024 // (8 * words))  # groups a program: about 1024 features
     launch(
         _int4_x_kernel, (triton.cdiv(groups, per_program),), x.device, x, xs, xsum, k, groups,
         WORDS=words, GROUPS=per_program, PDL=pdl, num_warps=4,
@@ -515,7 +499,8 @@ def quant_gemv(
     if kind == "int8" and k % block_k and k % 1024 == 0:
         block_k = min(block_k, 1024)  # a tile that divides K: no masked last tile
     pdl = pdl_enabled(x.device)
-    # int4 in packed halves (PTX: CUDA only), where a thread's four words hold one group's
+    # int4 in packed halves (PTX: CUDA only) where a group holds a multiple of four words (a
+    # thread's 16-byte load stays inside one group): groups of 32 features or more
     half = INT4_HALF and kind == "int4" and not interpret and (k // groups // 8) % 4 == 0
     y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)
     x_in, xsum = x.reshape(k).contiguous(), scale
