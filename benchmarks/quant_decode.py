@@ -128,20 +128,21 @@ def sweep(device) -> list[dict]:
     shapes = layer_shapes("llama-3-8b")
     rows = []
     original = dict(quant_gemv_module.CONFIG)
-    # BLOCK_N rows a program; int4 tiles of 4-16 groups of 128 (16 words), int8 of 512-2048
-    # features; whatever the tile's width leaves of a program's threads goes to the rows
+    # rows a program; tiles of 1024-4096 features (int4 on CUDA: packed halves, groups of 128),
+    # int8 of 512-2048; whatever the tile's width leaves of a program's threads goes to the rows
     grids = {
-        "int4": itertools.product((1, 2, 4, 8), (4, 8, 16), (2, 4, 8), (1,)),
+        "int4": itertools.product((2, 4, 8), (1024, 2048, 4096), (1, 2, 4), (1,)),
         "int8": itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4, 8), (1,)),
     }
+    key = {"int4": "int4_half", "int8": "int8"}
     for kind in QUANTIZE:
         cases = {}
         for layer, (n, k) in shapes.items():
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
             cases[layer] = quant_calls(x, quant_states(kind, n, k, device), kind, n, k)
         for config in grids[kind]:
-            quant_gemv_module.CONFIG[kind] = config
-            row = {"kind": kind, "config": list(config)}
+            quant_gemv_module.CONFIG[key[kind]] = config
+            row = {"kind": key[kind], "config": list(config)}
             try:
                 for layer, calls in cases.items():
                     row[layer] = graph_us(calls)

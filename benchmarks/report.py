@@ -1069,25 +1069,31 @@ def sparse_decode_table(run: dict) -> str:
 
 
 def quant_decode_table(run: dict) -> str:
-    """benchmarks/quant_decode.py: quantized GEMV kernels and batch-1 decode against bf16; each
-    model's batch-1 rows from the newest run that has them (a run may measure one model), each
-    run that gives rows with its own header."""
-    newest_for: dict[str, int] = {}
+    """benchmarks/quant_decode.py: quantized GEMV kernels and batch-1 decode against bf16; on
+    each GPU, each model's batch-1 rows from the newest run that has them (a run may measure one
+    model) and the newest kernel times, each run that gives rows with its own header."""
+    newest_for: dict[tuple[str, str], int] = {}
+    kernels: dict[str, int] = {}  # the newest run with kernel times on each GPU
     runs = run.get("all_runs", [run])
-    kernels = None  # the newest run with kernel times, shown with its own header
     for index, r in enumerate(runs):
+        gpu = r["env"].get("gpu", "")
         for row in r.get("batch1", []):
-            newest_for[row["model"]] = index
+            newest_for[(gpu, row["model"])] = index
         if r.get("kernels"):
-            kernels = index
+            kernels[gpu] = index
     parts = []
-    for index in sorted(set(newest_for.values()) | ({kernels} - {None})):
+    for index in sorted(set(newest_for.values()) | set(kernels.values())):
         r = runs[index]
-        models = {m for m, i in newest_for.items() if i == index}
+        gpu = r["env"].get("gpu", "")
+        models = {m for (g, m), i in newest_for.items() if i == index and g == gpu}
         rows = [row for row in r.get("batch1", []) if row["model"] in models]
         parts.append(
             _quant_decode_run(
-                {**r, "batch1": rows, "kernels": r.get("kernels") if index == kernels else None}
+                {
+                    **r,
+                    "batch1": rows,
+                    "kernels": r.get("kernels") if kernels.get(gpu) == index else None,
+                }
             )
         )
     return "\n\n".join(parts)
@@ -1098,7 +1104,13 @@ def _quant_decode_run(run: dict) -> str:
         _env_line(run, f"device-to-device copy {run['copy_tb_s']:.2f} TB/s."),
         "",
         f"Kernel launch configurations (int8 / int4): {run['config']['int8']} / "
-        f"{run['config']['int4']}.",
+        f"{run['config']['int4']}"
+        + (
+            f", int4 in packed halves {run['config']['int4_half']} (rows a program, features a "
+            "tile, warps, stages)."
+            if "int4_half" in run["config"]
+            else "."
+        ),
         "",
     ]
     if run.get("kernels"):

@@ -63,6 +63,15 @@ def test_int8_read_eight_or_sixteen_bytes_a_thread_is_as_exact(monkeypatch, vec,
     check_folds("int8", 24, 192, "cpu")
 
 
+@pytest.mark.parametrize("ahead_tiles", [1, 1000])
+@pytest.mark.parametrize("shape", SHAPES["int4"])
+def test_int4_with_or_without_the_next_tile_read_ahead_is_as_exact(monkeypatch, ahead_tiles, shape):
+    kernels_on_cpu(monkeypatch)
+    monkeypatch.setattr(gemv_module, "INT4_AHEAD_TILES", ahead_tiles)
+    check_gemv("int4", *shape, torch.bfloat16, "cpu", 2.0**-8)
+    check_folds("int4", shape[0] - shape[0] % 2, shape[1], "cpu")
+
+
 def check_folds(kind, n, k, device):
     """swiglu and residual folded in: the separate ops' values on the kernel's product."""
     state = quantized(kind, 2 * n, k, device)
@@ -186,6 +195,19 @@ def test_int8s_layouts_on_cuda(monkeypatch, vec, config, shape):
     monkeypatch.setattr(gemv_module, "INT8_VEC", vec)
     check_gemv("int8", *shape, torch.bfloat16, "cuda", 1e-6)
     check_folds("int8", shape[0] // 2, shape[1], "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ahead_tiles", [1, 1000])
+@pytest.mark.parametrize("config", [(4, 2048, 2, 1), (8, 1024, 4, 1), (2, 512, 1, 1)])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (3072, 3072), (1000, 576)])
+def test_int4s_layouts_on_cuda(monkeypatch, ahead_tiles, config, shape):
+    """The packed-half int4 product in other tiles, rows a thread and tiles read ahead."""
+    monkeypatch.setitem(gemv_module.CONFIG, "int4_half", config)
+    monkeypatch.setattr(gemv_module, "INT4_AHEAD_TILES", ahead_tiles)
+    check_gemv("int4", *shape, torch.bfloat16, "cuda", 1e-6)
+    check_folds("int4", shape[0] // 2, shape[1], "cuda")
 
 
 @pytest.mark.gpu

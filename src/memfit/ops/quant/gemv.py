@@ -44,6 +44,15 @@ memory, bound the kernel, so each weight costs as few as the bits allow:
   bound (twice PyTorch's, dequantized to bf16 then the product; x from 1e-6 to 3e4): the fp16
   sums of 16 terms round at 2^-11, bf16 weights at 2^-9 (a CPU emulation put it at 0.7-0.85
   times PyTorch's mean error).
+- Packed halves, rows in a thread (CONFIG["int4_half"]): with a warp to a row, eight warps read
+  the same x (two bytes a weight, four times W's bytes) from L1. Now a thread holds four rows'
+  16 bytes of one group and the threads lie along K (a tile of 2048 features, two warps), so x's
+  pairs are read once for four rows; 73 instructions a thread's four words (109 before, counted
+  in the compiled code). A row's few tiles (two for K = 4096) are not worth reading ahead (the
+  registers cost more programs an SM), so the next tile is read ahead only where a row has
+  INT4_AHEAD_TILES or more. SwiGLU's gate and up rows are taken together, one of each in turn,
+  so all of a program's loads are issued at once. llama-3-8b's batch-1 decode step on an H200:
+  2.21 ms against 2.35 (gate_up 24.4 us against 31.3).
 
 Numerics: x widened to fp32, every product exact in fp32, sums in fp32, scales applied in
 fp32, one rounding to the output dtype: more exact than multiplying by the weight dequantized
@@ -74,9 +83,16 @@ __all__ = ["quant_gemv", "gemv_supported"]
 # 3.14 ms against 3.40 for (2, 1024, 2, 1) with eight bytes a thread and the whole tile
 # accumulated; its BLOCK_K falls to 1024 where 2048 does not divide K (llama-3.2-3b's 3072
 # features: 1.66 ms against 1.82). int4's (8, 8, 8): the fastest of a sweep over llama-3-8b's
-# four layers together, with x made ready by its own kernel and two tiles read ahead (the
-# decode step, where that kernel's launch is overlapped, is what got faster).
-CONFIG = {"int8": (2, 2048, 4, 1), "int4": (8, 8, 8, 1)}
+# four layers together, with x made ready by its own kernel (the fp32 products; CUDA takes them
+# for groups of 16 features). int4 in packed halves: (rows a program, features a tile, warps,
+# stages): four rows a thread, each 16 bytes of one group, 2048 features a tile (for groups of
+# 128: a tile of 16 groups, two warps), the fastest of 16 launch configurations for each of
+# llama-3-8b's layers on an H200 (results/quant_gemv_variants.json).
+CONFIG = {"int8": (2, 2048, 4, 1), "int4": (8, 8, 8, 1), "int4_half": (4, 2048, 2, 1)}
+# int4: the next tile of W is read while the one before is summed where a row has this many
+# tiles or more (llama-3-8b's down, 7 tiles: 14.7 us against 15.3; qkv, 2 tiles: 8.4 against
+# 10.2, on an H200)
+INT4_AHEAD_TILES = 4
 # int4 products are formed at 2^-SHIFT (`_int4_products`): exact for |x| below 2^(SHIFT - 21),
 # sums normal down to 2^(SHIFT - 126)
 SHIFT = tl.constexpr(64)
@@ -281,36 +297,46 @@ def _int4_products(w, xs_ptr, xsum_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl
 def _int4_rows(
     xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups,
     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr, HALF: tl.constexpr,
+    PDL: tl.constexpr, HALF: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """W[rows] x for int4 W (N, K) in groups of 8 * WORDS features: (BLOCK_N,) fp32. A tile is
     (BLOCK_N, TILE_GROUPS, WORDS) words; nibble j of a group's words multiplies the group's
     features j * WORDS .. j * WORDS + WORDS - 1 (memfit.ops.quant.int4); a group's sums are
-    scaled once a word. Two tiles are read ahead of the one in use (past the end: EVEN reads
-    the last one again, unused; else masked off); under PDL both before the wait."""
+    scaled once a word. AHEAD: the next tile is read before the one in use is summed (past the
+    end: EVEN reads the last one again, unused; else masked off); under PDL the first tile is
+    read before the wait."""
     rows64 = rows.to(tl.int64)
     w_rows = w_ptr + rows64[:, None, None] * words_per_row + tl.arange(0, WORDS)[None, None, :]
     s_rows = rows64[:, None] * groups
     g = tl.arange(0, TILE_GROUPS)
-    w, scale, zero = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS, EVEN)
-    g1 = (tl.minimum(TILE_GROUPS, groups - TILE_GROUPS) if EVEN else TILE_GROUPS) + g
-    w1, scale1, zero1 = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g1, rows_ok, groups, WORDS, EVEN)
-    if PDL:
-        gdc_wait()
     if HALF:  # a sum for each thread's four words of a group
         acc = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS // 4), dtype=tl.float32)
     else:
-        acc = tl.zeros(w.shape, dtype=tl.float32)
-    for first in range(2 * TILE_GROUPS, groups + 2 * TILE_GROUPS, TILE_GROUPS):
-        next_g = (tl.minimum(first, groups - TILE_GROUPS) if EVEN else first) + tl.arange(
-            0, TILE_GROUPS
-        )  # fmt: skip
-        w2, scale2, zero2 = _int4_tile(
-            w_rows, s_ptr, z_ptr, s_rows, next_g, rows_ok, groups, WORDS, EVEN
-        )  # fmt: skip
-        acc += _int4_group_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN, HALF)
-        w, scale, zero, g = w1, scale1, zero1, g1
-        w1, scale1, zero1, g1 = w2, scale2, zero2, next_g
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+    if AHEAD:
+        w, scale, zero = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS, EVEN)
+        if PDL:
+            gdc_wait()
+        for first in range(TILE_GROUPS, groups + TILE_GROUPS, TILE_GROUPS):
+            next_g = (tl.minimum(first, groups - TILE_GROUPS) if EVEN else first) + tl.arange(
+                0, TILE_GROUPS
+            )  # fmt: skip
+            w1, scale1, zero1 = _int4_tile(
+                w_rows, s_ptr, z_ptr, s_rows, next_g, rows_ok, groups, WORDS, EVEN
+            )  # fmt: skip
+            acc += _int4_group_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN, HALF)
+            w, scale, zero, g = w1, scale1, zero1, next_g
+    else:
+        if PDL:
+            gdc_wait()
+        for first in range(0, groups, TILE_GROUPS):
+            tile_g = first + g
+            w, scale, zero = _int4_tile(
+                w_rows, s_ptr, z_ptr, s_rows, tile_g, rows_ok, groups, WORDS, EVEN
+            )  # fmt: skip
+            acc += _int4_group_sums(
+                w, scale, zero, xs_ptr, xsum_ptr, tile_g, groups, WORDS, EVEN, HALF
+            )  # fmt: skip
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if not HALF:
         y = y * 2.0**SHIFT
@@ -403,6 +429,7 @@ def _rows(
     x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups,
     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
     VEC: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, HALF: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):  # fmt: skip
     if BITS == 8:
         y = _int8_rows(
@@ -411,7 +438,7 @@ def _rows(
     else:
         y = _int4_rows(
             x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, words_per_row, groups,
-            BLOCK_N, BLOCK_K, WORDS, EVEN, PDL, HALF,
+            BLOCK_N, BLOCK_K, WORDS, EVEN, PDL, HALF, AHEAD,
         )  # fmt: skip
     return y
 
@@ -422,28 +449,39 @@ def _quant_gemv_kernel(
     up_rows, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
     VEC: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr, HALF: tl.constexpr,
+    PDL: tl.constexpr, HALF: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """y[rows] for this program's BLOCK_N rows of N. int8: BLOCK_K features a tile (xsum_ptr
     unused); int4: BLOCK_K groups of 8 * WORDS features a tile, x and xsum as `_int4_x_kernel`
     leaves them. SWIGLU: W is (2N, K), gate rows then up rows (up_rows = N), and y = silu(gate)
-    * up of the program's rows of each half."""
+    * up of the program's rows of each half; int4 takes the gate and up rows together, one of
+    each in turn (BLOCK_N / 2 outputs a program, all their loads issued at once)."""
     if PDL:
         gdc_launch_dependents()
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_ok = rows < N
-    y = _rows(
-        x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows_ok, K, words_per_row, groups, BITS,
-        BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, PDL, HALF,
-    )  # fmt: skip
-    up = y
-    if SWIGLU:
-        up = _rows(
-            x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows_ok, K, words_per_row,
-            groups, BITS, BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, False, HALF,
+    if SWIGLU and BITS == 4:
+        i = tl.arange(0, BLOCK_N)
+        half = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+        both = _rows(
+            x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, half + (i % 2) * up_rows, half < N, K,
+            words_per_row, groups, BITS, BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, PDL, HALF, AHEAD,
         )  # fmt: skip
+        y, up = tl.split(tl.reshape(both, (BLOCK_N // 2, 2)))
+        rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = _rows(
+            x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows, rows < N, K, words_per_row, groups,
+            BITS, BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, PDL, HALF, AHEAD,
+        )  # fmt: skip
+        up = y
+        if SWIGLU:
+            up = _rows(
+                x_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, rows + up_rows, rows < N, K,
+                words_per_row, groups, BITS, BLOCK_N, BLOCK_K, WORDS, VEC, EVEN, False, HALF,
+                AHEAD,
+            )  # fmt: skip
     _finish(
-        y, up, b_ptr, r_ptr, y_ptr, rows, rows_ok, up_rows, HAS_BIAS, RESIDUAL, SWIGLU,
+        y, up, b_ptr, r_ptr, y_ptr, rows, rows < N, up_rows, HAS_BIAS, RESIDUAL, SWIGLU,
         ROUND_BF16_BY_HAND,
     )  # fmt: skip
 
@@ -495,19 +533,26 @@ def quant_gemv(
     zero = state.get("zero", scale)
     groups = scale.shape[1] if kind == "int4" else 1
     interpret = x.device.type == "cpu"
-    block_n, block_k, warps, stages = (_INTERPRET if interpret else CONFIG)[kind]
-    if kind == "int8" and k % block_k and k % 1024 == 0:
-        block_k = min(block_k, 1024)  # a tile that divides K: no masked last tile
     pdl = pdl_enabled(x.device)
     # int4 in packed halves (PTX: CUDA only) where a group holds a multiple of four words (a
     # thread's 16-byte load stays inside one group): groups of 32 features or more
     half = INT4_HALF and kind == "int4" and not interpret and (k // groups // 8) % 4 == 0
+    block_n, block_k, warps, stages = (
+        _INTERPRET[kind] if interpret else CONFIG["int4_half" if half else kind]
+    )
+    if half:  # features a tile -> groups a tile; half the tile and warps where K needs it
+        if k % block_k and k % (block_k // 2) == 0 and warps > 1:
+            block_k, warps = block_k // 2, warps // 2
+        block_k = max(1, block_k // (k // groups))
+    if kind == "int8" and k % block_k and k % 1024 == 0:
+        block_k = min(block_k, 1024)  # a tile that divides K: no masked last tile
+    per_program = block_n // 2 if swiglu and kind == "int4" else block_n
     y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)
     x_in, xsum = x.reshape(k).contiguous(), scale
     if kind == "int4":  # x scaled and summed once for all the rows, by a small kernel before
         x_in, xsum = _int4_x(x_in, groups, pdl, half)
     launch(
-        _quant_gemv_kernel, (triton.cdiv(out, block_n),), x.device,
+        _quant_gemv_kernel, (triton.cdiv(out, per_program),), x.device,
         x_in, xsum, values, scale, zero, bias if bias is not None else scale,
         residual.reshape(out).contiguous() if residual is not None else scale, y, out, k, k // 8,
         groups, out if swiglu else 0, BITS=8 if kind == "int8" else 4, BLOCK_N=block_n,
@@ -515,7 +560,7 @@ def quant_gemv(
         EVEN=(k if kind == "int8" else groups) % block_k == 0, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, SWIGLU=swiglu,
         ROUND_BF16_BY_HAND=interpret and x.dtype == torch.bfloat16, PDL=pdl, HALF=half,
-        num_warps=warps,
+        AHEAD=kind == "int4" and groups >= INT4_AHEAD_TILES * block_k, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     return y
