@@ -164,7 +164,11 @@ def _int4_tile(
         ok = rows_ok[:, None] & (g >= 0)[None, :]
     else:
         ok = rows_ok[:, None] & (g < groups)[None, :]
-    w = tl.load(w_rows + g[None, :, None] * WORDS, mask=ok[:, :, None], other=0)
+    # W is read once a step: first out of the caches, so that x and the scales stay
+    w = tl.load(
+        w_rows + g[None, :, None] * WORDS, mask=ok[:, :, None], other=0,
+        eviction_policy="evict_first",
+    )  # fmt: skip
     scale = tl.load(s_ptr + s_rows + g[None, :], mask=ok, other=0.0)
     zero = tl.load(z_ptr + s_rows + g[None, :], mask=ok, other=0)
     return w, scale, zero
