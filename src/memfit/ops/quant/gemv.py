@@ -86,7 +86,7 @@ __all__ = ["quant_gemv", "gemv_supported"]
 # four layers together, with x made ready by its own kernel (the fp32 products; CUDA takes them
 # for groups of 16 features). int4 in packed halves: (rows a program, features a tile, warps,
 # stages): four rows a thread, each 16 bytes of one group, 2048 features a tile (for groups of
-# 128: a tile of 16 groups, two warps), the fastest of 16 launch configurations for each of
+# 128: a tile of 16 groups, two warps), the fastest of the 8-10 configurations swept on each of
 # llama-3-8b's layers on an H200 (results/quant_gemv_variants.json).
 CONFIG = {"int8": (2, 2048, 4, 1), "int4": (8, 8, 8, 1), "int4_half": (4, 2048, 2, 1)}
 # int4: the next tile of W is read while the one before is summed where a row has this many
