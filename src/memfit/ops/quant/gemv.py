@@ -25,10 +25,11 @@ memory, bound the kernel, so each weight costs as few as the bits allow:
   (q - z) x = q x - z x, and the scale once a word. x's scaling and the sums are made once,
   by a small kernel before the product (`_int4_x_kernel`), not by each row's thread: that
   halves the instructions of the loop (3.7 a weight against 7.0, counted in the compiled
-  code), which then waits on its loads, so two tiles of W are read ahead of the one in use.
+  code), which then waited on its loads, so two tiles of W were read ahead of the one in use.
   An A/B in llama-3-8b's batch-1 decode step on an H100: 3.07 ms against 3.18 for the kernel
   that scaled x in each thread and read one tile ahead (llama-3.2-3b: 1.78 against 1.76;
-  results/quant_gemv_variants.json).
+  results/quant_gemv_variants.json). One tile ahead since the rows-a-thread layout below
+  (these fp32 products are CUDA's only for groups of 16 features).
 - int4 on CUDA, in packed halves (`_int4_half_sums`, PTX): that loop still spent 131
   instructions on a thread's four words a tile and read x from L1 at four bytes a weight (the
   profiler: L1 85% busy, DRAM 50%). Two nibbles masked into the mantissas of the fp16 pair
@@ -62,9 +63,9 @@ above 2^-62 (activations of a bf16 model are inside by far). The swiglu and resi
 round each half and the product as the separate ops would (memfit.ops.gemv).
 
 Under programmatic dependent launch (the engine's decode step) a program signals its
-dependents at once, reads its first tile of W (int4: its first two) and waits for the kernel
-before it before reading x; int4's x kernel does the same, so the product's first tiles are
-read while x is made ready.
+dependents at once, reads its first tile of W (int4 reading ahead; else it waits first) and
+waits for the kernel before it before reading x; int4's x kernel does the same, so the
+product's first tile is read while x is made ready.
 """
 
 from __future__ import annotations
