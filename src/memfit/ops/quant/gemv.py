@@ -319,10 +319,10 @@ def _int4_rows(
         acc = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS // 4), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+    w, scale, zero = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS, EVEN)
+    if PDL:
+        gdc_wait()
     if AHEAD:
-        w, scale, zero = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS, EVEN)
-        if PDL:
-            gdc_wait()
         for first in range(TILE_GROUPS, groups + TILE_GROUPS, TILE_GROUPS):
             next_g = (tl.minimum(first, groups - TILE_GROUPS) if EVEN else first) + tl.arange(
                 0, TILE_GROUPS
@@ -332,10 +332,7 @@ def _int4_rows(
             )  # fmt: skip
             acc += _int4_group_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN, HALF)
             w, scale, zero, g = w1, scale1, zero1, next_g
-    else:  # the first tile read before the wait, the others each as it is summed
-        w, scale, zero = _int4_tile(w_rows, s_ptr, z_ptr, s_rows, g, rows_ok, groups, WORDS, EVEN)
-        if PDL:
-            gdc_wait()
+    else:  # each tile after the first read as it is summed
         acc += _int4_group_sums(w, scale, zero, xs_ptr, xsum_ptr, g, groups, WORDS, EVEN, HALF)
         for first in range(TILE_GROUPS, groups, TILE_GROUPS):
             tile_g = first + g
