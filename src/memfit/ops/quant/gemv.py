@@ -379,19 +379,12 @@ def _int4_half_x(xh_ptr, xinv_ptr, g, groups, WORDS: tl.constexpr, EVEN: tl.cons
     """x's four pairs for groups g, (1, TILE_GROUPS, WORDS) int32 each, and xinv (TILE_GROUPS,)
     (`_int4_half_x_kernel`); zeros past the last group."""
     x_tile = xh_ptr + (g[:, None] * (4 * WORDS) + tl.arange(0, WORDS)[None, :])[None, :, :]
-    g_ok = (g < groups)[None, :, None]
-    if EVEN:
-        x0 = tl.load(x_tile)
-        x1 = tl.load(x_tile + WORDS)
-        x2 = tl.load(x_tile + 2 * WORDS)
-        x3 = tl.load(x_tile + 3 * WORDS)
-        xinv = tl.load(xinv_ptr + g)
-    else:
-        x0 = tl.load(x_tile, mask=g_ok, other=0)
-        x1 = tl.load(x_tile + WORDS, mask=g_ok, other=0)
-        x2 = tl.load(x_tile + 2 * WORDS, mask=g_ok, other=0)
-        x3 = tl.load(x_tile + 3 * WORDS, mask=g_ok, other=0)
-        xinv = tl.load(xinv_ptr + g, mask=g < groups, other=0.0)
+    g_ok, zero = (None, None) if EVEN else ((g < groups)[None, :, None], 0)
+    x0 = tl.load(x_tile, mask=g_ok, other=zero)
+    x1 = tl.load(x_tile + WORDS, mask=g_ok, other=zero)
+    x2 = tl.load(x_tile + 2 * WORDS, mask=g_ok, other=zero)
+    x3 = tl.load(x_tile + 3 * WORDS, mask=g_ok, other=zero)
+    xinv = tl.load(xinv_ptr + g, mask=None if EVEN else g < groups, other=zero)
     return x0, x1, x2, x3, xinv
 
 
