@@ -3,6 +3,7 @@ measured in the same process.
 
     python benchmarks/quant_decode.py                        # kernels and batch1
     python benchmarks/quant_decode.py --parts sweep          # the kernel's launch configurations
+    python benchmarks/quant_decode.py --parts floor --models llama-3-8b   # reading W alone
 
 - kernels: the matrix-vector product of one token with each linear layer of a block (qkv, out,
   gate_up, down) of llama-3.2-3b and llama-3-8b, replayed from a CUDA graph with the weights
@@ -11,6 +12,10 @@ measured in the same process.
   weights; time and the bandwidth achieved reading the weight's bytes (scales included).
 - sweep: the quantized GEMV's launch configurations (memfit.ops.quant.gemv.CONFIG) on
   llama-3-8b's layers.
+- floor: how fast a kernel that only reads an int4 weight's words (no products, no x) streams
+  each layer's bytes, by program shape (rows a program, words a row a step, warps), cold copies
+  replayed from a CUDA graph as in `kernels`; gate_up also with its rows taken as the SwiGLU
+  GEMV takes them (gate and up rows in turn): the bound a GEMV's loads set before any arithmetic.
 - batch1: `LLM(preset, quantize=...)` with random weights (a quantized model's output head in
   int8: memfit.nn.quant.quantize_head), one prompt of 128 tokens, 256 new tokens: decode
   tokens/s from the engine's clock and the captured decode step replayed alone, against the
@@ -23,6 +28,7 @@ Results: benchmarks/results/quant_decode.json (`--out DIR` elsewhere).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import sys
@@ -38,6 +44,7 @@ from inference import copy_bandwidth  # noqa: E402
 
 from memfit.models import PRESETS  # noqa: E402
 from memfit.ops import gemv as gemv_module  # noqa: E402
+from memfit.ops._triton import tl, triton  # noqa: E402
 from memfit.ops.quant import gemv as quant_gemv_module  # noqa: E402
 from memfit.ops.quant import quantize_int4, quantize_int8  # noqa: E402
 
@@ -157,6 +164,64 @@ def sweep(device) -> list[dict]:
     return rows
 
 
+@triton.jit
+def _read_kernel(
+    w_ptr, y_ptr, half_rows, WORDS: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr,
+    PAIRED: tl.constexpr,
+):  # fmt: skip
+    """R rows of int32 words (WORDS a row) read TILE at a time and XORed: a GEMV's loads alone.
+    PAIRED: row i and row i + half_rows in turn (gate and up, as the SwiGLU GEMV reads them)."""
+    i = tl.arange(0, R)
+    if PAIRED:
+        rows = tl.program_id(0) * (R // 2) + i // 2 + (i % 2) * half_rows
+    else:
+        rows = tl.program_id(0) * R + i
+    acc = tl.zeros((R, TILE), dtype=tl.int32)
+    for start in range(0, WORDS, TILE):
+        cols = start + tl.arange(0, TILE)
+        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * WORDS + cols[None, :]
+        acc ^= tl.load(w_ptrs, eviction_policy="evict_first")
+    tl.store(y_ptr + rows, tl.xor_sum(acc, 1))
+
+
+def _random_words(n: int, words: int, device, copy: int) -> torch.Tensor:
+    """An (n, words) int32 weight of random words (`copy`: which of the copies; any values do)."""
+    return torch.randint(-(2**31), 2**31 - 1, (n, words), dtype=torch.int32, device=device)
+
+
+def _read_call(w: torch.Tensor, y: torch.Tensor, meta: dict) -> None:
+    _read_kernel[(w.shape[0] // meta["R"],)](w, y, w.shape[0] // 2, **meta)
+
+
+def _read_us(copies: list, r: int, tile: int, warps: int, paired: bool) -> float:
+    n, words = copies[0].shape
+    y = torch.empty(n, dtype=torch.int32, device=copies[0].device)
+    meta = {"WORDS": words, "R": r, "TILE": tile, "PAIRED": paired, "num_warps": warps}
+    return graph_us([functools.partial(_read_call, w, y, meta) for w in copies])
+
+
+def floor(device, models: list[str]) -> list[dict]:
+    rows = []
+    tile = 128  # words: 1024 features, a divisor of every preset's K / 8
+    for name in models:
+        for layer, (n, k) in layer_shapes(name).items():
+            words = k // 8
+            copies = _copies(functools.partial(_random_words, n, words, device), 4 * n * words)
+            for paired in (False, True) if layer == "gate_up" else (False,):
+                for r, warps in itertools.product((1, 2, 4, 8), (1, 2, 4)):
+                    if not 4 <= r * tile // (32 * warps) <= 64:
+                        continue
+                    us = _read_us(copies, r, tile, warps, paired)
+                    row = {"model": name, "layer": layer, "n": n, "k": k, "paired": paired,
+                           "config": [r, tile, warps], "us": us,
+                           "tb_s": 4 * n * words / us / 1e6}  # fmt: skip
+                    print(row, flush=True)
+                    rows.append(row)
+            del copies
+            torch.cuda.empty_cache()
+    return rows
+
+
 def batch1(device, copy_bw: float, models: list[str], new_tokens: int) -> list[dict]:
     from memfit.inference import LLM, SamplingParams
 
@@ -236,6 +301,8 @@ def main() -> None:
         run["sweep"] = sweep(device)
     if "kernels" in args.parts:
         run["kernels"] = kernels(device, args.models)
+    if "floor" in args.parts:
+        run["floor"] = floor(device, args.models)
     if "batch1" in args.parts:
         run["batch1"] = batch1(device, copy_bw, args.models, args.new_tokens)
     if args.out is not None:
