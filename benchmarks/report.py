@@ -1324,6 +1324,36 @@ def time_model_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def graphs_table(run: dict) -> str:
+    """benchmarks/time_model.py --parts graphs: each configuration's eager step and its step
+    captured in a CUDA graph (`--cuda-graphs`), one after the other on one machine."""
+    run = _part_run(run, "graphs")
+    lines = [
+        _env_line(
+            run, "random weights, median of 5 steps after 3; the eager step, then the captured one."
+        )
+        + " Predicted: the time model of the run (its GPU's constants).",
+        "",
+        "| model | strategy | eager (ms) | captured (ms) | speed-up | eager predicted | captured predicted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    records = [r for r in _time_model_records(run, "graphs") if "step_s" in r]
+    eager = {
+        (r["model"], _time_strategy(r)): r for r in records if not r["settings"].get("cuda_graphs")
+    }
+    for r in records:
+        before = eager.get((r["model"], _time_strategy(r)))
+        if not r["settings"].get("cuda_graphs") or before is None:
+            continue
+        lines.append(
+            f"| {r['model']} | {_time_strategy(r)} | {before['step_s'] * 1e3:.1f} | "
+            f"{r['step_s'] * 1e3:.1f} | {before['step_s'] / r['step_s']:.2f}x | "
+            f"{before['predicted_step_s'] * 1e3:.1f} ({before['time_error']:+.1%}) | "
+            f"{r['predicted_step_s'] * 1e3:.1f} ({r['time_error']:+.1%}) |"
+        )
+    return "\n".join(lines)
+
+
 def recommend_table(run: dict) -> str:
     """benchmarks/time_model.py --parts recommend: each model's first three strategies, run."""
     run = _part_run(run, "recommend")
@@ -1494,6 +1524,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "adaptive_checkpointing": ("time_model", adaptive_table, _has("records"), True),
     "fp32_parts": ("time_model", fp32_parts_table, _has("records"), True),
     "allocator_capacity": ("time_model", capacity_table, _has("records"), True),
+    "cuda_graphs": ("time_model", graphs_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

@@ -35,6 +35,8 @@ Parts:
   it reserves beyond the allocated peak there, and which run out of memory.
 - recommend: `memfit plan --recommend`'s first three strategies (tokens per step 2^16) for five
   models from 0.5B to 8B, each run: is the first the fastest measured, within 10%?
+- graphs: the step captured in a CUDA graph (`--cuda-graphs`) against the eager one on the
+  held-out models whose host sets the pace, Llama-3.2-1B, and steps of 256 tokens.
 """
 
 from __future__ import annotations
@@ -236,6 +238,22 @@ COMPILED = [
     ("SmolLM2-135M", 2048, 8, "none", "bf16", {"compile": "on"}),
     ("Qwen2.5-0.5B", 4096, 2, "none", "bf16", {"compile": "on"}),
     ("Llama-3.2-1B", 2048, 4, "none", "bf16", {"compile": "on"}),
+]
+
+# the step captured in a CUDA graph (`--cuda-graphs`, memfit.train.graphs) against the eager
+# step, each configuration eager then captured on the same machine: the held-out models whose
+# host sets the pace, one whose GPU does, and steps of 256 tokens
+GRAPHS = [
+    (name, seq_len, micro_batch, mode, "bf16", settings)
+    for name, seq_len, micro_batch, mode in [
+        ("SmolLM2-135M", 2048, 8, "none"),
+        ("SmolLM2-360M", 2048, 8, "selective"),
+        ("Qwen2.5-0.5B", 4096, 2, "none"),
+        ("Llama-3.2-1B", 2048, 4, "none"),
+        ("SmolLM2-135M", 256, 1, "none"),
+        ("Llama-3.2-1B", 256, 1, "full"),
+    ]
+    for settings in ({}, {"cuda_graphs": True})
 ]
 
 DISTRIBUTED_KEYS = ("zero", "offload")
@@ -461,7 +479,7 @@ def main() -> None:
         "--parts", nargs="+", default=["fit", "held_out"],
         choices=[
             "fit", "host", "held_out", "adaptive", "recommend", "fp32_parts", "capacity",
-            "compiled",
+            "compiled", "graphs",
         ],
     )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
@@ -482,6 +500,7 @@ def main() -> None:
         parts = {
             "fit": FIT, "host": HOST, "held_out": HELD_OUT, "adaptive": ADAPTIVE,
             "fp32_parts": FP32_PARTS, "capacity": CAPACITY, "compiled": COMPILED,
+            "graphs": GRAPHS,
         }  # fmt: skip
         for part in args.parts:
             if part == "recommend":

@@ -193,6 +193,10 @@ class TrainSection(_Section):
     """Each block's input (with checkpointing full or selective), or else each tensor of at least
     1 MiB that a block saves, goes to pinned CPU memory during the forward and comes back one
     block ahead in the backward (memfit.train.offload)."""
+    cuda_graphs: bool = False
+    """Capture the step in a CUDA graph once and replay it (memfit.train.graphs): the host's
+    launches leave the step, which then goes at the GPU's pace (small models, short sequences).
+    One process, bf16 or fp32, the fused AdamW; fixed shapes."""
     optimizer: str = "adamw"
     master_weights: Literal["fp32", "none"] = "fp32"
     """fp32: the parameters are fp32 master weights (autocast casts them per matmul); none: the

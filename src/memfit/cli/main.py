@@ -103,6 +103,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "in the backward",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="capture the step in a CUDA graph and replay it: the host's kernel launches leave "
+        "the step (small models; one process, bf16 or fp32, --optimizer adamw)",
+    )
+    p.add_argument(
         "--fp32-parts",
         metavar="PARTS",
         help="parts that compute in fp32 under bf16/fp16: head, first:N, last:N, "
@@ -408,6 +415,7 @@ _TRAIN_FLAGS = {
     "checkpointing": ("train", "checkpointing"),
     "checkpoint_blocks": ("train", "checkpoint_blocks"),
     "offload_activations": ("train", "offload_activations"),
+    "cuda_graphs": ("train", "cuda_graphs"),
     "fp32_parts": ("train", "fp32_parts"),
     "fp32_matmul": ("train", "fp32_matmul"),
     "optimizer": ("train", "optimizer"),

@@ -47,7 +47,7 @@ PLAN_DEFAULTS = {
     "checkpointing": "none", "checkpoint_blocks": None, "optimizer": "adamw",
     "attention_pattern": "", "pattern_layers": "all", "master_weights": "fp32", "zero": 0,
     "offload": "none", "offload_activations": False, "fp32_parts": "", "fp32_matmul": "fp32",
-    "lora_rank": 0,
+    "cuda_graphs": False, "lora_rank": 0,
     "lora_targets": "all-linear", "lora_dropout": 0.0, "quantize_base": "none", "teacher": None,
     "teacher_quantize": "none", "distill_kind": "kl", "distill_temperature": 1.0,
 }  # fmt: skip
@@ -61,6 +61,7 @@ CONFIG_KEYS = {
     "pattern_layers": ("model", "pattern_layers"),
     "optimizer": ("train", "optimizer"), "master_weights": ("train", "master_weights"),
     "offload_activations": ("train", "offload_activations"),
+    "cuda_graphs": ("train", "cuda_graphs"),
     "fp32_parts": ("train", "fp32_parts"), "fp32_matmul": ("train", "fp32_matmul"),
     "zero": ("distributed", "zero"), "offload": ("distributed", "offload"),
 }  # fmt: skip
@@ -268,6 +269,8 @@ def train_command(model: str, strategy: Strategy) -> str:
         parts.append(f"--master-weights {strategy.master_weights}")
     if strategy.offload_activations:
         parts.append("--offload-activations")
+    if strategy.cuda_graphs:
+        parts.append("--cuda-graphs")
     if strategy.fp32_parts:
         parts.append(f"--fp32-parts {strategy.fp32_parts}")
     if strategy.fp32_matmul != "fp32":
@@ -341,6 +344,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         zero=args.zero,
         offload=args.offload,
         offload_activations=args.offload_activations,
+        cuda_graphs=args.cuda_graphs,
         fp32_parts=args.fp32_parts,
         fp32_matmul=args.fp32_matmul,
         world_size=args.gpus,
@@ -614,6 +618,12 @@ def add_plan_parser(sub: argparse._SubParsersAction, handler) -> None:
         action="store_true",
         default=None,
         help="activations in pinned CPU memory (with --checkpointing: the block inputs)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="the step captured in a CUDA graph (the host's launches priced out of the step)",
     )
     p.add_argument(
         "--fp32-parts",

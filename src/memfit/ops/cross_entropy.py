@@ -271,16 +271,26 @@ def _accumulate_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
 
 def row_targets(targets: Tensor, vocab_size: int, ignore_index: int, who: str) -> Tensor:
     """`targets` as the row kernels read them: int64 with unit stride, each in [0, vocab_size)
-    or ignore_index (else ValueError, whose message starts with `who`; one host-device
-    sync)."""
+    or ignore_index (else ValueError, whose message starts with `who`; one host-device sync).
+    While a CUDA graph is captured the check cannot read the device, and is the capturer's:
+    memfit.train.graphs checks each step's targets on the host before it replays."""
     targets = targets.long().contiguous()
-    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-    if out_of_range.any():
+    if targets.is_cuda and torch.cuda.is_current_stream_capturing():
+        return targets
+    bad = out_of_range_target(targets, vocab_size, ignore_index)
+    if bad is not None:
         raise ValueError(
-            f"{who} in [0, {vocab_size}) or ignore_index={ignore_index}, got target "
-            f"{targets[out_of_range][0].item()}"
+            f"{who} in [0, {vocab_size}) or ignore_index={ignore_index}, got target {bad}"
         )
     return targets
+
+
+def out_of_range_target(targets: Tensor, vocab_size: int, ignore_index: int) -> int | None:
+    """The first target outside [0, vocab_size) that is not ignore_index, or None."""
+    out_of_range = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if out_of_range.any():
+        return int(targets[out_of_range][0].item())
+    return None
 
 
 def _autocast_disabled(device_type: str) -> contextlib.AbstractContextManager:

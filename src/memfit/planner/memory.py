@@ -159,6 +159,9 @@ class Strategy:
     # inputs, or without checkpointing what the blocks save
     offload_activations: bool = False
     world_size: int = 1
+    # the step captured in a CUDA graph and replayed (`--cuda-graphs`, memfit.train.graphs): the
+    # host's launches leave the step
+    cuda_graphs: bool = False
     # parts computing in fp32 under bf16/fp16 (`--fp32-parts`, memfit.config.parse_fp32_parts):
     # "head", "first:N", "last:N", comma-separated; kept in their canonical spelling
     fp32_parts: str = ""

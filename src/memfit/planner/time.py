@@ -129,6 +129,9 @@ HOST_SECONDS_PER_BLOCK = {"none": 2.58e-3, "full": 5.15e-3, "selective": 7.91e-3
 eager, by checkpointing (`host_seconds`)."""
 HOST_SECONDS_PER_STEP = 13.7e-3
 """The host's time a step spends outside the blocks (the loss, the update, clipping, metrics)."""
+GRAPHED_HOST_SECONDS_PER_STEP = 1e-3
+"""The host's time a step captured in a CUDA graph takes (`--cuda-graphs`): the batch's copies,
+the replay's one launch, the schedule and the metrics; the blocks' launches are in the graph."""
 QUANT_MATMUL_SLOWDOWN = 2.5
 """How much slower memfit's fused dequantizing matmul (memfit.ops.quant.matmul) runs than the
 bf16 cuBLAS product it replaces, where memfit.nn.quant runs it: products of at most
@@ -208,7 +211,10 @@ def loss_bytes_per_token(model: ModelConfig) -> float:
 def host_seconds(model: ModelConfig, strategy: Strategy) -> float:
     """The host's time to launch a step's blocks, forward and backward, eager: per block and
     micro-batch HOST_SECONDS_PER_BLOCK of its checkpointing (selective's policy sees every
-    operation of the forward and of its rerun)."""
+    operation of the forward and of its rerun); a step captured in a CUDA graph, only
+    GRAPHED_HOST_SECONDS_PER_STEP."""
+    if strategy.cuda_graphs:  # the launches are the graph's, replayed at the GPU's pace
+        return GRAPHED_HOST_SECONDS_PER_STEP
     checked = memory.checkpointed_blocks(model, strategy)
     per_micro_batch = (
         checked * HOST_SECONDS_PER_BLOCK[strategy.checkpointing]

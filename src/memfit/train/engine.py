@@ -60,11 +60,12 @@ from memfit.optim import (
 from memfit.planner.advice import planner_advice, preflight
 from memfit.planner.hardware import GPU
 from memfit.train import checkpoint as ckpt
+from memfit.train import graphs
 from memfit.train.data import build_data
 from memfit.train.metrics import StepMetrics, device_peak_flops, memory_stats
 from memfit.train.offload import ActivationOffload
 from memfit.train.precision import DTYPES, DynamicLossScaler, resolve_precision
-from memfit.train.step import StepObserver, train_step
+from memfit.train.step import StepObserver, StepResult, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +376,7 @@ class Trainer:
             growth_interval=ls.growth_interval,
             enabled=self.precision == "fp16",
         )
+        self.graphed = self._graphed_step() if train.cuda_graphs else None
         self.step = 0
         self.tokens_seen = 0
         self.consecutive_skips = 0
@@ -765,6 +767,8 @@ class Trainer:
             )
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_configured_lr()
+        if self.graphed is not None:  # (the loaded groups hold float learning rates)
+            graphs.make_capturable(self.optimizer, self.device)
         self.scaler.load_state_dict(state["scaler"])
         self.batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng_cpu"])
@@ -814,6 +818,7 @@ class Trainer:
             checkpoint_blocks=train.checkpoint_blocks, optimizer=train.optimizer, master_weights=train.master_weights,
             attention=self.attention, zero=dist_cfg.zero, offload=dist_cfg.offload,
             offload_activations=train.offload_activations, world_size=self.world.world_size,
+            cuda_graphs=train.cuda_graphs,
             fp32_parts=train.fp32_parts if self.precision != "fp32" else "",
             fp32_matmul=train.fp32_matmul,
             **fine_tuning_fields(self.config),
@@ -877,23 +882,44 @@ class Trainer:
             )
         return OutOfMemory("\n".join(lines))
 
+    def _eager_step(self, micro_batches: list, observer: StepObserver | None) -> StepResult:
+        train = self.config.train
+        return train_step(
+            self.loss_model, self.updater, self.scaler, micro_batches, precision=self.precision,
+            device=self.device, grad_clip=train.grad_clip, across_ranks=self.world.distributed,
+            observer=observer,
+        )  # fmt: skip
+
+    def _graphed_step(self) -> graphs.GraphedStep:
+        """`train.cuda_graphs`: the step captured in a CUDA graph (memfit.train.graphs), or a
+        ConfigError saying why this run cannot have it."""
+        train, dist_cfg = self.config.train, self.config.distributed
+        why = graphs.refusal(
+            device=self.device, precision=self.precision, optimizer=self.optimizer,
+            distributed=self.world.distributed, offload=dist_cfg.offload,
+            offload_activations=train.offload_activations, distill=bool(self.config.distill.teacher),
+        )  # fmt: skip
+        if why is not None:
+            raise ConfigError(f"--cuda-graphs: {why}")
+        graphs.make_capturable(self.optimizer, self.device)
+        if self.world.is_main:
+            logger.info("cuda graphs: the step is captured once (step 2) and replayed")
+        return graphs.GraphedStep(
+            self.loss_model, self.updater, precision=self.precision, device=self.device,
+            shape=(train.grad_accum, train.micro_batch, self.config.data.seq_len),
+            vocab_size=self.model_config.vocab_size, grad_clip=train.grad_clip,
+        )  # fmt: skip
+
     def _train_step(self, observer: StepObserver | None) -> StepMetrics:
         train = self.config.train
         start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(train.grad_accum)]
-        result = train_step(
-            self.loss_model,
-            self.updater,
-            self.scaler,
-            micro_batches,
-            precision=self.precision,
-            device=self.device,
-            grad_clip=train.grad_clip,
-            across_ranks=self.world.distributed,
-            observer=observer,
-        )
+        if self.graphed is not None and observer is None:
+            result = self.graphed(micro_batches)
+        else:
+            result = self._eager_step(micro_batches, observer)
         loss_sum, num_tokens, finite = result.loss, result.num_tokens, result.finite
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         if finite:  # a skipped step does not advance the schedule
             self.scheduler.step()
 

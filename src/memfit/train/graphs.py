@@ -1,0 +1,147 @@
+"""The training step captured in a CUDA graph (`train.cuda_graphs`, `memfit train --cuda-graphs`).
+
+A small model's eager step is bound by the host: each block's forward and backward costs the
+host about 2.6 ms of Python, dispatch and kernel launches (memfit.planner.time), more than the
+GPU's work at a 135M model's widths. Captured once, the whole step (every micro-batch's forward
+and backward, the clipping and the optimizer's update) replays with one launch, and the GPU sets
+the pace. PyTorch's whole-network capture (torch.cuda.graph), as in its CUDA graphs notes:
+
+    step 1:  eager, on a side stream (the warm-up the capture needs: cuBLAS handles, the
+             optimizer's states, autocast's kernels), a real step
+    step 2:  gradients set to None, the step captured (the backward then allocates them from the
+             graph's memory pool, once), and replayed
+    step 3+: the batch copied into the graph's input buffers, replayed
+
+What a replay cannot change is fixed at capture: the shapes (every step's micro-batches are
+(micro_batch, seq_len)), the learning rate's place (a device tensor the scheduler fills between
+steps), and the step's token count, which the loss is divided by (a device scalar, filled before
+each replay). The step reads nothing back on the host, so an fp16 run's loss scaling (whose skip
+decision the host takes) and the sharded and offloaded optimizers, which talk to other ranks or
+the CPU, keep eager steps (`refusal` says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from memfit.ops.cross_entropy import out_of_range_target
+from memfit.train.step import StepResult
+
+
+def refusal(*, device: torch.device, precision: str, optimizer: torch.optim.Optimizer,
+            distributed: bool, offload: str, offload_activations: bool,
+            distill: bool) -> str | None:  # fmt: skip
+    """Why a run with these settings cannot capture its step, or None where it can."""
+    if device.type != "cuda":
+        return f"the step runs on {device}, and CUDA graphs are captured on a CUDA device"
+    if precision == "fp16":
+        return (
+            "fp16's dynamic loss scaling decides on the host whether a step is skipped; use "
+            "--precision bf16"
+        )
+    if distributed or offload != "none":
+        return "ZeRO, data parallelism and offload talk to other ranks or the CPU inside the step"
+    if offload_activations:
+        return "--offload-activations copies to and from the CPU inside the step"
+    if distill:
+        return "distillation is not captured yet"
+    fused = isinstance(optimizer, torch.optim.AdamW) and all(
+        group.get("fused") for group in optimizer.param_groups
+    )
+    if not fused:
+        return (
+            f"only the fused AdamW (--optimizer adamw) updates inside a graph; this run has "
+            f"{type(optimizer).__name__}"
+        )
+    return None
+
+
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """The optimizer's learning rates as device tensors (the scheduler fills them in place) and
+    its step counts kept on the device: what an update inside a graph needs. Call after the
+    scheduler is built (its base rates stay floats) and after a checkpoint's groups are loaded."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+
+
+class GraphedStep:
+    """One optimizer step over `grad_accum` micro-batches of (micro_batch, seq_len) tokens,
+    replayed from a CUDA graph (module docstring); the arithmetic of memfit.train.step's
+    `train_step` for bf16 and fp32 runs on one process."""
+
+    def __init__(
+        self, model: torch.nn.Module, updater, *, shape: tuple[int, int, int], vocab_size: int,
+        precision: str, device: torch.device, grad_clip: float,
+    ) -> None:  # fmt: skip
+        """shape: (grad_accum, micro_batch, seq_len); updater: a `LocalOptimizer` whose
+        optimizer `make_capturable` prepared; vocab_size: the targets' bound."""
+        self.model, self.updater, self.vocab_size = model, updater, vocab_size
+        self.precision, self.device, self.grad_clip = precision, device, grad_clip
+        self.inputs = torch.zeros(shape, dtype=torch.long, device=device)
+        self.targets = torch.full(shape, -100, dtype=torch.long, device=device)
+        self.num_tokens = torch.ones((), dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.steps = 0
+        self._outputs: tuple[Tensor, Tensor] | None = None
+
+    def _body(self) -> tuple[Tensor, Tensor]:
+        """The step on the input buffers: (the loss summed over the micro-batches, the gradient
+        norm before clipping)."""
+        dtype = {"bf16": torch.bfloat16, "fp32": None}[self.precision]
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, targets in zip(self.inputs, self.targets, strict=True):
+            # (autocast's cache of cast weights would hold tensors across the capture's end)
+            with torch.autocast(
+                "cuda", dtype=dtype, enabled=dtype is not None, cache_enabled=False
+            ):
+                loss = self.model(inputs, targets) / self.num_tokens
+            loss.backward()
+            loss_sum += loss.detach()
+            del loss
+        grad_norm = self.updater.clip_grad_norm_(self.grad_clip)
+        self.updater.step()
+        return loss_sum, grad_norm
+
+    def __call__(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> StepResult:
+        if len(micro_batches) != self.inputs.shape[0]:
+            raise ValueError(
+                f"the graph was captured for {self.inputs.shape[0]} micro-batches a step, got "
+                f"{len(micro_batches)}"
+            )
+        num_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
+        for index, (inputs, targets) in enumerate(micro_batches):
+            # (the loss's own check of its targets reads the device: not inside the graph)
+            bad = out_of_range_target(targets, self.vocab_size, -100)
+            if bad is not None:
+                raise ValueError(
+                    f"targets must be in [0, {self.vocab_size}) or -100, got target {bad}"
+                )
+            if inputs.shape != self.inputs.shape[1:] or targets.shape != self.targets.shape[1:]:
+                raise ValueError(
+                    f"the graph was captured for micro-batches of {tuple(self.inputs.shape[1:])} "
+                    f"tokens, got {tuple(inputs.shape)}: a captured step's shapes are fixed"
+                )
+            self.inputs[index].copy_(inputs, non_blocking=True)
+            self.targets[index].copy_(targets, non_blocking=True)
+        self.num_tokens.fill_(num_tokens)
+        self.steps += 1
+        if self.steps == 1:  # the warm-up: an eager step on a side stream
+            self.updater.optimizer.zero_grad(set_to_none=True)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                loss_sum, grad_norm = self._body()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        else:
+            if self.graph is None:
+                self.updater.optimizer.zero_grad(set_to_none=True)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self._outputs = self._body()
+            self.graph.replay()
+            loss_sum, grad_norm = self._outputs
+        return StepResult(loss=loss_sum, num_tokens=num_tokens, finite=True, grad_norm=grad_norm)

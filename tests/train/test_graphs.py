@@ -1,0 +1,111 @@
+"""The training step captured in a CUDA graph (`train.cuda_graphs`, memfit.train.graphs): what it
+refuses and why, what the planner prices for it, and on a GPU the losses, learning rates and
+weights of eager steps."""
+
+import re
+
+import pytest
+import torch
+
+from memfit.config import build_config
+from memfit.models.config import PRESETS
+from memfit.planner import Strategy
+from memfit.planner.time import GRAPHED_HOST_SECONDS_PER_STEP, host_seconds
+from memfit.train import graphs
+from memfit.train.engine import ConfigError, Trainer
+
+
+def make_trainer(tmp_path, name, **train):
+    flags = {
+        "data": {"seq_len": 64},
+        "train": {"steps": 8, "micro_batch": 4, "warmup_steps": 2, "precision": "fp32", **train},
+        "checkpoint": {"out": str(tmp_path / name)},
+    }
+    return Trainer(build_config(flags=flags))
+
+
+def test_refused_on_cpu_with_the_reason(tmp_path):
+    with pytest.raises(ConfigError, match="--cuda-graphs: .*captured on a CUDA device"):
+        make_trainer(tmp_path, "cpu", device="cpu", cuda_graphs=True)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"precision": "fp16"}, "loss scaling decides on the host"),
+        ({"distributed": True}, "talk to other ranks"),
+        ({"offload": "optimizer"}, "talk to other ranks or the CPU"),
+        ({"offload_activations": True}, "copies to and from the CPU"),
+        ({"distill": True}, "distillation"),
+        ({"optimizer": "sgd"}, "only the fused AdamW .* this run has SGD"),
+    ],
+)
+def test_refusals(change, reason):
+    param = torch.nn.Parameter(torch.zeros(2))
+    settings = {
+        "device": torch.device("cuda"), "precision": "bf16", "distributed": False,
+        "offload": "none", "offload_activations": False, "distill": False,
+        "optimizer": torch.optim.AdamW([param], fused=True),
+    }  # fmt: skip
+    assert graphs.refusal(**settings) is None
+    if change.get("optimizer") == "sgd":
+        change = {"optimizer": torch.optim.SGD([param], lr=0.1)}
+    why = graphs.refusal(**{**settings, **change})
+    assert why is not None
+    assert re.search(reason, why), why
+
+
+def test_planner_prices_no_host_launches_for_a_captured_step():
+    model = PRESETS["tiny"]
+    eager = Strategy(micro_batch=4, seq_len=256)
+    graphed = Strategy(micro_batch=4, seq_len=256, cuda_graphs=True)
+    assert host_seconds(model, eager) > 10 * GRAPHED_HOST_SECONDS_PER_STEP
+    assert host_seconds(model, graphed) == GRAPHED_HOST_SECONDS_PER_STEP
+
+
+def test_make_capturable_keeps_the_schedule_on_the_device():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([param], lr=1e-3, fused=param.device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    graphs.make_capturable(optimizer, param.device)
+    lr = optimizer.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and optimizer.param_groups[0]["capturable"]
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] is lr  # filled in place: a graph keeps reading it
+    assert float(lr) == pytest.approx(5e-4)
+    assert float(scheduler.get_last_lr()[0]) == pytest.approx(5e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"precision": "bf16", "grad_accum": 2},
+        {"precision": "fp32"},
+        {"precision": "bf16", "checkpointing": "selective"},
+        {"precision": "bf16", "checkpointing": "full", "checkpoint_blocks": 1},
+    ],
+)
+def test_graphed_steps_train_as_eager_steps_do(tmp_path, settings):
+    """Eight steps from one seed, eager and captured (step 1 eager on a side stream, step 2
+    captured and replayed, then replays): the same losses, gradient norms, learning rates and
+    weights, to the rounding of a product whose algorithm may differ under capture."""
+    runs = {}
+    for graphed in (False, True):
+        trainer = make_trainer(
+            tmp_path, f"g{graphed}", device="cuda", cuda_graphs=graphed, **settings
+        )  # fmt: skip
+        steps = [trainer.train_step() for _ in range(8)]
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        runs[graphed] = (steps, weights)
+        if graphed:
+            assert trainer.graphed.graph is not None
+    (eager, w_eager), (captured, w_captured) = runs[False], runs[True]
+    for a, b in zip(eager, captured, strict=True):
+        assert b.loss == pytest.approx(a.loss, rel=1e-4)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-3)
+        assert b.lr == pytest.approx(a.lr, rel=1e-6)
+    assert captured[-1].loss < captured[0].loss
+    for name, value in w_eager.items():
+        torch.testing.assert_close(w_captured[name], value, rtol=1e-3, atol=1e-5)
