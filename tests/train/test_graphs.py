@@ -15,8 +15,9 @@ from memfit.train import graphs
 from memfit.train.engine import ConfigError, Trainer
 
 
-def make_trainer(tmp_path, name, **train):
+def make_trainer(tmp_path, name, compile="auto", **train):
     flags = {
+        "model": {"compile": compile},
         "data": {"seq_len": 64},
         "train": {"steps": 8, "micro_batch": 4, "warmup_steps": 2, "precision": "fp32", **train},
         "checkpoint": {"out": str(tmp_path / name)},
@@ -85,6 +86,7 @@ def test_make_capturable_keeps_the_schedule_on_the_device():
         {"precision": "fp32"},
         {"precision": "bf16", "checkpointing": "selective"},
         {"precision": "bf16", "checkpointing": "full", "checkpoint_blocks": 1},
+        {"precision": "bf16", "compile": "off"},  # (auto: compiled blocks without checkpointing)
     ],
 )
 def test_graphed_steps_train_as_eager_steps_do(tmp_path, settings):
