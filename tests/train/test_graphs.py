@@ -15,12 +15,13 @@ from memfit.train import graphs
 from memfit.train.engine import ConfigError, Trainer
 
 
-def make_trainer(tmp_path, name, compile="auto", **train):
+def make_trainer(tmp_path, name, compile="auto", lora=None, **train):
     flags = {
         "model": {"compile": compile},
         "data": {"seq_len": 64},
         "train": {"steps": 8, "micro_batch": 4, "warmup_steps": 2, "precision": "fp32", **train},
         "checkpoint": {"out": str(tmp_path / name)},
+        **({"lora": lora} if lora else {}),
     }
     return Trainer(build_config(flags=flags))
 
@@ -87,6 +88,12 @@ def test_make_capturable_keeps_the_schedule_on_the_device():
         {"precision": "bf16", "checkpointing": "selective"},
         {"precision": "bf16", "checkpointing": "full", "checkpoint_blocks": 1},
         {"precision": "bf16", "compile": "off"},  # (auto: compiled blocks without checkpointing)
+        {
+            "precision": "bf16",
+            "lr": 1e-2,
+            "lora": {"rank": 4, "targets": "q_proj,v_proj,down_proj"},
+        },
+        {"precision": "bf16", "lr": 1e-2, "lora": {"rank": 4, "quantize": "nf4"}},
     ],
 )
 def test_graphed_steps_train_as_eager_steps_do(tmp_path, settings):
@@ -111,3 +118,21 @@ def test_graphed_steps_train_as_eager_steps_do(tmp_path, settings):
     assert captured[-1].loss < captured[0].loss
     for name, value in w_eager.items():
         torch.testing.assert_close(w_captured[name], value, rtol=1e-3, atol=1e-5)
+
+
+def test_the_search_captures_host_bound_steps_only():
+    """`--recommend` and `--auto` list a small model's short steps captured (the host would set
+    their pace) with the reason, and leave a step the GPU sets the pace of eager."""
+    from memfit.models.config import ModelConfig
+    from memfit.planner import GPUS, rank_strategies
+
+    small = ModelConfig(
+        name="smollm2-135m-like", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+        num_kv_heads=3, intermediate_size=1536, max_seq_len=8192, tie_embeddings=True,
+    )  # fmt: skip
+    found = rank_strategies(small, GPUS["h100-sxm"], seq_len=2048, tokens_per_step=2**14)
+    assert found[0].strategy.cuda_graphs
+    assert "captured in a CUDA graph" in found[0].reasons
+    assert "cuda graphs" in found[0].strategy.describe()
+    large = rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], seq_len=2048)
+    assert not any(r.strategy.cuda_graphs for r in large)

@@ -72,6 +72,7 @@ def choose_strategy(config: Config, console: Console) -> Config:
         checkpointing=best.strategy.checkpointing,
         checkpoint_blocks=best.strategy.checkpoint_blocks,
         offload_activations=best.strategy.offload_activations,
+        cuda_graphs=best.strategy.cuda_graphs,
         precision=best.strategy.precision,
         optimizer=best.strategy.optimizer,
         master_weights=best.strategy.master_weights,

@@ -294,6 +294,8 @@ class Strategy:
             parts[-1] += f" ({self.checkpoint_blocks} blocks)"
         if self.offload_activations:
             parts.append("offload activations")
+        if self.cuda_graphs:
+            parts.append("cuda graphs")
         if self.zero or self.world_size > 1:
             parts.append(f"zero {self.zero} x {self.world_size} GPUs")
         if self.offload != "none":
