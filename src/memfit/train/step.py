@@ -1,4 +1,6 @@
-"""One training step, the only one: `memfit train` runs it, `memfit profile` observes it.
+"""One training step, the only one: `memfit train` runs it, `memfit profile` observes it (with
+`--cuda-graphs`, memfit.train.graphs captures the same arithmetic for bf16 and fp32 runs on one
+process and replays it).
 
     for each of the step's micro-batches (k of them, T target tokens in all):
         forward under autocast, loss = (sum of token losses) / T   -> the exact gradient of one
