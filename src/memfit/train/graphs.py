@@ -106,6 +106,23 @@ class GraphedStep:
         self.updater.step()
         return loss_sum, grad_norm
 
+    def _capture(self) -> None:
+        self.updater.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._outputs = self._body()
+        except RuntimeError as error:  # (torch.AcceleratorError is one too)
+            first = error  # (the capture's end reports "a previous error": that one's cause)
+            while first.__context__ is not None:
+                first = first.__context__
+            said = (str(first).strip() or type(first).__name__).splitlines()[0]
+            raise RuntimeError(
+                "--cuda-graphs: the step could not be captured, an operation in it cannot run "
+                f"inside a CUDA graph ({said}); run without --cuda-graphs"
+            ) from error
+        self.graph = graph
+
     def __call__(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> StepResult:
         if len(micro_batches) != self.inputs.shape[0]:
             raise ValueError(
@@ -138,10 +155,7 @@ class GraphedStep:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         else:
             if self.graph is None:
-                self.updater.optimizer.zero_grad(set_to_none=True)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self._outputs = self._body()
+                self._capture()
             self.graph.replay()
             loss_sum, grad_norm = self._outputs
         return StepResult(loss=loss_sum, num_tokens=num_tokens, finite=True, grad_norm=grad_norm)
