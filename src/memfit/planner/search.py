@@ -298,7 +298,7 @@ def _search(
     # the step captured in a CUDA graph where the engine captures it and the host would set
     # the eager step's pace: the same memory, the host's launches out of the step
     for index, r in enumerate(found):
-        if capturable(r.strategy):
+        if capture_refusal(r.strategy) is None:
             graphed = replace(r.strategy, cuda_graphs=True)
             time = step_time(model, graphed, gpu)
             if time.total_s < (1 - GRAPHS_GAIN) * r.time.total_s:
@@ -306,16 +306,28 @@ def _search(
     return found
 
 
-def capturable(strategy: Strategy) -> bool:
-    """Whether the engine captures this strategy's step in a CUDA graph (`--cuda-graphs`,
-    memfit.train.graphs.refusal): one process, bf16 or fp32, the fused AdamW on fp32 masters,
-    nothing offloaded, no teacher."""
+def capture_refusal(strategy: Strategy) -> str | None:
+    """Why the engine cannot capture this strategy's step in a CUDA graph (`--cuda-graphs`,
+    memfit.train.graphs), or None where it can: the one rule the engine and the search share.
+    The step must read nothing back on the host and talk to no other rank or to the CPU."""
     s = strategy
-    return (
-        s.world_size == 1 and s.zero == 0 and s.offload == "none" and not s.offload_activations
-        and s.precision in ("bf16", "fp32") and s.optimizer == "adamw"
-        and s.master_weights == "fp32" and s.teacher is None
-    )  # fmt: skip
+    if s.precision == "fp16":
+        return (
+            "fp16's dynamic loss scaling decides on the host whether a step is skipped; use "
+            "--precision bf16"
+        )
+    if s.world_size > 1 or s.zero or s.offload != "none":
+        return "ZeRO, data parallelism and offload talk to other ranks or the CPU inside the step"
+    if s.offload_activations:
+        return "--offload-activations copies to and from the CPU inside the step"
+    if s.teacher is not None:
+        return "distillation is not captured yet"
+    if s.optimizer != "adamw":  # (the registry's adamw is torch's fused AdamW on a GPU)
+        return (
+            f"only the fused AdamW (--optimizer adamw) updates inside a graph; this run has "
+            f"--optimizer {s.optimizer}"
+        )
+    return None
 
 
 def choose_checkpointing(

@@ -893,12 +893,14 @@ class Trainer:
     def _graphed_step(self) -> graphs.GraphedStep:
         """`train.cuda_graphs`: the step captured in a CUDA graph (memfit.train.graphs), or a
         ConfigError saying why this run cannot have it."""
-        train, dist_cfg = self.config.train, self.config.distributed
-        why = graphs.refusal(
-            device=self.device, precision=self.precision, optimizer=self.optimizer,
-            distributed=self.world.distributed, offload=dist_cfg.offload,
-            offload_activations=train.offload_activations, distill=bool(self.config.distill.teacher),
-        )  # fmt: skip
+        from memfit.planner.search import capture_refusal
+
+        train = self.config.train
+        why = (
+            f"the step runs on {self.device}, and CUDA graphs are captured on a CUDA device"
+            if self.device.type != "cuda"
+            else capture_refusal(self.strategy())
+        )
         if why is not None:
             raise ConfigError(f"--cuda-graphs: {why}")
         graphs.make_capturable(self.optimizer, self.device)

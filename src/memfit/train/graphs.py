@@ -17,7 +17,7 @@ What a replay cannot change is fixed at capture: the shapes (every step's micro-
 steps), and the step's token count, which the loss is divided by (a device scalar, filled before
 each replay). The step reads nothing back on the host, so an fp16 run's loss scaling (whose skip
 decision the host takes) and the sharded and offloaded optimizers, which talk to other ranks or
-the CPU, keep eager steps (`refusal` says why).
+the CPU, keep eager steps (memfit.planner.search.capture_refusal says why).
 """
 
 from __future__ import annotations
@@ -29,34 +29,6 @@ from torch import Tensor
 
 from memfit.ops.cross_entropy import out_of_range_target
 from memfit.train.step import StepResult
-
-
-def refusal(*, device: torch.device, precision: str, optimizer: torch.optim.Optimizer,
-            distributed: bool, offload: str, offload_activations: bool,
-            distill: bool) -> str | None:  # fmt: skip
-    """Why a run with these settings cannot capture its step, or None where it can."""
-    if device.type != "cuda":
-        return f"the step runs on {device}, and CUDA graphs are captured on a CUDA device"
-    if precision == "fp16":
-        return (
-            "fp16's dynamic loss scaling decides on the host whether a step is skipped; use "
-            "--precision bf16"
-        )
-    if distributed or offload != "none":
-        return "ZeRO, data parallelism and offload talk to other ranks or the CPU inside the step"
-    if offload_activations:
-        return "--offload-activations copies to and from the CPU inside the step"
-    if distill:
-        return "distillation is not captured yet"
-    fused = isinstance(optimizer, torch.optim.AdamW) and all(
-        group.get("fused") for group in optimizer.param_groups
-    )
-    if not fused:
-        return (
-            f"only the fused AdamW (--optimizer adamw) updates inside a graph; this run has "
-            f"{type(optimizer).__name__}"
-        )
-    return None
 
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
