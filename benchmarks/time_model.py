@@ -37,6 +37,10 @@ Parts:
   models from 0.5B to 8B, each run: is the first the fastest measured, within 10%?
 - graphs: the step captured in a CUDA graph (`--cuda-graphs`) against the eager one on the
   held-out models whose host sets the pace, Llama-3.2-1B, and steps of 256 tokens.
+- graph_floor: captured steps of 256 to 4096 tokens a micro-batch on the designed shapes, by
+  checkpointing, with accumulation, and their kernels: what a captured step costs the GPU
+  beyond its work (fitted); graph_floor_held_out: the same on Hugging Face models (scored).
+- held_out_graphs: the held-out configurations eager and captured, one after the other.
 """
 
 from __future__ import annotations
@@ -256,6 +260,36 @@ GRAPHS = [
     for settings in ({}, {"cuda_graphs": True})
 ]
 
+# captured steps from 256 to 4096 tokens a micro-batch (`--cuda-graphs`), where the GPU's own
+# per-kernel costs, not the host, set the pace of small steps: fitted on the designed shapes,
+# scored on Hugging Face models (graph_floor_held_out)
+GRAPH_FLOOR = [
+    (name, seq_len, micro_batch, mode, "bf16", {"cuda_graphs": True, **accum})
+    for name in ("h576-hd64-v49k", "h1024-hd64-v32k", "h2048-hd64-v32k", "h3072-hd128-v128k")
+    for seq_len, micro_batch, mode, accum in [
+        (256, 1, "none", {}),
+        (256, 1, "full", {}),
+        (256, 1, "selective", {}),
+        (256, 1, "none", {"grad_accum": 4}),
+        (1024, 1, "none", {}),
+        (1024, 1, "full", {}),
+        (1024, 1, "selective", {}),
+        (2048, 2, "none", {}),
+    ]
+]
+GRAPH_FLOOR_HELD_OUT = [
+    (name, seq_len, micro_batch, mode, "bf16", {"cuda_graphs": True})
+    for name in ("SmolLM2-135M", "SmolLM2-360M", "Qwen2.5-0.5B", "TinyLlama-1.1B", "Llama-3.2-1B")
+    for seq_len, micro_batch, mode in [(256, 1, "none"), (1024, 1, "full"), (2048, 2, "selective")]
+]
+# the held-out configurations eager and, where the engine can capture them, captured: the time
+# model on the step `--auto` would run (it captures where that is 5% faster)
+HELD_OUT_GRAPHS = [
+    (name, seq_len, micro_batch, mode, precision, {**settings, **graphed})
+    for name, seq_len, micro_batch, mode, precision, settings in HELD_OUT
+    for graphed in ({}, {"cuda_graphs": True})
+]
+
 DISTRIBUTED_KEYS = ("zero", "offload")
 
 
@@ -299,6 +333,22 @@ def measure_host_block_seconds(device: str = "cuda", rounds: int = 9, repeat: in
     return sorted(means)[rounds // 2]
 
 
+def count_kernels(step) -> int | None:
+    """The CUDA kernels one call of `step` runs (torch.profiler; a replayed graph's kernels are
+    reported one by one), or None where the profiler cannot tell."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    except Exception:  # (a profiler that cannot trace the replay: no count, not a failed run)
+        return None
+    kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
+    return len(kernels) or None
+
+
 def model_spec(name: str, folder: Path) -> tuple[str, dict | None]:
     """The --model argument for `name` (a preset, or a config.json written to `folder`) and the
     Hugging Face config it stands for."""
@@ -312,8 +362,9 @@ def model_spec(name: str, folder: Path) -> tuple[str, dict | None]:
 
 
 def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, folder, warmup,
-            repeat, grad_accum=1, checkpoint_blocks=None) -> dict:  # fmt: skip
-    """One configuration's record: what it is, what the planner predicted, what it measured."""
+            repeat, grad_accum=1, checkpoint_blocks=None, kernels=False) -> dict:  # fmt: skip
+    """One configuration's record: what it is, what the planner predicted, what it measured
+    (kernels: and the CUDA kernels of one more step, `count_kernels`)."""
     free_memory()
     spec, hf = model_spec(name, folder)
     train = {
@@ -379,6 +430,8 @@ def measure(name, seq_len, micro_batch, checkpointing, precision, settings, *, f
                 time_error=predicted.total_s / step_s - 1,
                 peak_error=planned.peak_bytes / torch.cuda.max_memory_allocated() - 1,
             )
+            if kernels:
+                record["kernels"] = count_kernels(trainer.train_step)
         except torch.OutOfMemoryError as error:
             record["error"] = "out of memory: " + str(error).strip().splitlines()[0][:200]
         except (ConfigError, ValueError) as error:
@@ -406,7 +459,8 @@ def run_part(part: str, configs: list, args, folder: Path, console: Console) -> 
             continue
         record = measure(
             name, seq_len, micro_batch, checkpointing, precision, settings, folder=folder,
-            warmup=args.warmup, repeat=args.repeat,
+            warmup=args.warmup, repeat=args.repeat, grad_accum=settings.get("grad_accum", 1),
+            kernels=part in ("graphs", "graph_floor", "graph_floor_held_out"),
         )  # fmt: skip
         record["part"] = part
         records.append(record)
@@ -479,7 +533,7 @@ def main() -> None:
         "--parts", nargs="+", default=["fit", "held_out"],
         choices=[
             "fit", "host", "held_out", "adaptive", "recommend", "fp32_parts", "capacity",
-            "compiled", "graphs",
+            "compiled", "graphs", "graph_floor", "graph_floor_held_out", "held_out_graphs",
         ],
     )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
@@ -500,7 +554,8 @@ def main() -> None:
         parts = {
             "fit": FIT, "host": HOST, "held_out": HELD_OUT, "adaptive": ADAPTIVE,
             "fp32_parts": FP32_PARTS, "capacity": CAPACITY, "compiled": COMPILED,
-            "graphs": GRAPHS,
+            "graphs": GRAPHS, "graph_floor": GRAPH_FLOOR,
+            "graph_floor_held_out": GRAPH_FLOOR_HELD_OUT, "held_out_graphs": HELD_OUT_GRAPHS,
         }  # fmt: skip
         for part in args.parts:
             if part == "recommend":

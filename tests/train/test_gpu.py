@@ -1,6 +1,8 @@
 """GPU twins of the CPU engine tests: the same properties on CUDA, where memory comes from the
 caching allocator's statistics and attention runs in SDPA's fused kernels. Skipped without CUDA."""
 
+import gc
+
 import pytest
 import torch
 
@@ -135,6 +137,7 @@ def test_activation_offload_on_cuda(mode, compiled):
             param_dtype=torch.float32, offload_activations=offload,
         )  # fmt: skip
         for _ in range(2):  # (the second forward reuses the pinned buffers)
+            gc.collect()  # (an earlier test's cycles freed during the forward would count)
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             with torch.autocast("cuda", dtype=torch.bfloat16):

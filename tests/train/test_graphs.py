@@ -2,7 +2,11 @@
 refuses and why, what the planner prices for it, and on a GPU the losses, learning rates and
 weights of eager steps."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +19,12 @@ from memfit.train import graphs
 from memfit.train.engine import ConfigError, Trainer
 
 
-def make_trainer(tmp_path, name, compile="auto", lora=None, **train):
+def make_trainer(tmp_path, name, compile="auto", lora=None, resume=False, **train):
     flags = {
         "model": {"compile": compile},
         "data": {"seq_len": 64},
         "train": {"steps": 8, "micro_batch": 4, "warmup_steps": 2, "precision": "fp32", **train},
-        "checkpoint": {"out": str(tmp_path / name)},
+        "checkpoint": {"out": str(tmp_path / name), "resume": resume},
         **({"lora": lora} if lora else {}),
     }
     return Trainer(build_config(flags=flags))
@@ -106,13 +110,106 @@ def test_graphed_steps_train_as_eager_steps_do(tmp_path, settings):
         if graphed:
             assert trainer.graphed.graph is not None
     (eager, w_eager), (captured, w_captured) = runs[False], runs[True]
+    # (QLoRA's products of dequantized bf16 weights at lr 1e-2 amplify a rounding difference:
+    # its losses were seen 4e-4 apart, where the others agree to 1e-4)
+    loss_rel = 1e-3 if settings.get("lora", {}).get("quantize") else 1e-4
     for a, b in zip(eager, captured, strict=True):
-        assert b.loss == pytest.approx(a.loss, rel=1e-4)
+        assert b.loss == pytest.approx(a.loss, rel=loss_rel)
         assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-3)
         assert b.lr == pytest.approx(a.lr, rel=1e-6)
     assert captured[-1].loss < captured[0].loss
     for name, value in w_eager.items():
         torch.testing.assert_close(w_captured[name], value, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_run_resumes_as_it_would_have_gone_on(tmp_path):
+    """Four captured steps, saved; a new captured run resumed from them (its learning rates made
+    device tensors again after the load) gives the uninterrupted captured run's steps 5-8."""
+    settings = {"device": "cuda", "cuda_graphs": True, "precision": "bf16", "grad_accum": 2}
+    straight = make_trainer(tmp_path, "straight", **settings)
+    expected = [straight.train_step() for _ in range(8)]
+    first = make_trainer(tmp_path, "resumed", **settings)
+    for _ in range(4):
+        first.train_step()
+    first.save()
+    del first
+    second = make_trainer(tmp_path, "resumed", resume=True, **settings)
+    assert second.step == 4
+    lr = second.optimizer.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.device.type == "cuda"
+    history = second.fit()
+    assert second.graphed.graph is not None
+    for a, b in zip(expected[4:], history, strict=True):
+        assert b.loss == pytest.approx(a.loss, rel=1e-4)
+        assert b.lr == pytest.approx(a.lr, rel=1e-6)
+    for name, p in second.model.named_parameters():
+        torch.testing.assert_close(
+            p, dict(straight.model.named_parameters())[name], rtol=1e-3, atol=1e-5
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_observed_step_of_a_captured_run_is_an_eager_one(tmp_path):
+    """`memfit profile`'s observer gets an eager step between replays: it starts from no
+    gradients (a replay leaves none behind) and the replays after it go on as before."""
+    from memfit.train.step import StepObserver
+
+    settings = {"device": "cuda", "precision": "bf16", "compile": "off"}
+    eager = make_trainer(tmp_path, "eager", **settings)
+    expected = [eager.train_step() for _ in range(6)]
+    captured = make_trainer(tmp_path, "captured", cuda_graphs=True, **settings)
+    steps = [captured.train_step() for _ in range(3)]
+    assert all(p.grad is None for p in captured.model.parameters())
+    steps.append(captured.train_step(StepObserver()))
+    steps += [captured.train_step() for _ in range(2)]
+    for a, b in zip(expected, steps, strict=True):
+        assert b.loss == pytest.approx(a.loss, rel=1e-4)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-3)
+
+
+CANNOT_BE_CAPTURED = """
+import sys
+import pytest
+from tests.train.test_graphs import make_trainer
+from pathlib import Path
+
+trainer = make_trainer(Path(sys.argv[1]), "bad", device="cuda", cuda_graphs=True, precision="bf16")
+forward = trainer.loss_model.forward
+
+def reads_the_device(*args, **kwargs):
+    loss = forward(*args, **kwargs)
+    float(loss.detach().sum().item())
+    return loss
+
+trainer.loss_model.forward = reads_the_device
+trainer.train_step()  # the warm-up step is eager
+with pytest.raises(RuntimeError) as raised:
+    trainer.train_step()
+assert trainer.graphed.graph is None
+print(raised.value)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_that_cannot_be_captured_says_so(tmp_path):
+    """A forward that reads the device on the host (here: a wrapper calling .item()) cannot be
+    captured: the second step raises the reason and how to go on, and leaves no graph. In a
+    process of its own: a failed capture leaves the process's CUDA state unfit to go on (the
+    run ends there)."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", CANNOT_BE_CAPTURED, str(tmp_path)], cwd=root, capture_output=True,
+        text=True, timeout=600, env={**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(
+        r"--cuda-graphs: the step could not be captured.*\(.+\); run without --cuda-graphs",
+        done.stdout,
+    ), done.stdout
 
 
 def test_the_search_captures_host_bound_steps_only():

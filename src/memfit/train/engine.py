@@ -919,8 +919,6 @@ class Trainer:
         if self.graphed is not None and observer is None:
             result = self.graphed(micro_batches)
         else:
-            if self.graphed is not None:  # (a replay leaves its gradients: not to be summed)
-                self.optimizer.zero_grad(set_to_none=True)
             result = self._eager_step(micro_batches, observer)
         loss_sum, num_tokens, finite = result.loss, result.num_tokens, result.finite
         lr = float(self.scheduler.get_last_lr()[0])

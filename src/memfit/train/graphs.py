@@ -8,8 +8,8 @@ the pace. PyTorch's whole-network capture (torch.cuda.graph), as in its CUDA gra
 
     step 1:  eager, on a side stream (the warm-up the capture needs: cuBLAS handles, the
              optimizer's states, autocast's kernels), a real step
-    step 2:  gradients set to None, the step captured (the backward then allocates them from the
-             graph's memory pool, once), and replayed
+    step 2:  the step captured (it starts, as every step ends, with no gradients: its backward
+             allocates them from the graph's memory pool, once), and replayed
     step 3+: the batch copied into the graph's input buffers, replayed
 
 What a replay cannot change is fixed at capture: the shapes (every step's micro-batches are
@@ -28,7 +28,19 @@ import torch
 from torch import Tensor
 
 from memfit.ops.cross_entropy import out_of_range_target
-from memfit.train.step import StepResult
+from memfit.train.precision import DynamicLossScaler
+from memfit.train.step import StepResult, count_tokens, train_step
+
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream the warm-up step runs on, one a device for the process: torch keeps a
+    cuBLAS workspace for every stream a product ever ran on (32 MiB each on Hopper), so a new
+    stream a run would hold that much more for each run a process makes."""
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
 
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -41,9 +53,9 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
 
 
 class GraphedStep:
-    """One optimizer step over `grad_accum` micro-batches of (micro_batch, seq_len) tokens,
-    replayed from a CUDA graph (module docstring); the arithmetic of memfit.train.step's
-    `train_step` for bf16 and fp32 runs on one process."""
+    """One optimizer step over `grad_accum` micro-batches of (micro_batch, seq_len) tokens:
+    memfit.train.step's `train_step` for bf16 and fp32 runs on one process, captured once and
+    replayed from a CUDA graph (module docstring)."""
 
     def __init__(
         self, model: torch.nn.Module, updater, *, shape: tuple[int, int, int], vocab_size: int,
@@ -58,32 +70,21 @@ class GraphedStep:
         self.num_tokens = torch.ones((), dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.steps = 0
-        self._outputs: tuple[Tensor, Tensor] | None = None
+        self._outputs: StepResult | None = None
 
-    def _body(self) -> tuple[Tensor, Tensor]:
-        """The step on the input buffers: (the loss summed over the micro-batches, the gradient
-        norm before clipping)."""
-        dtype = {"bf16": torch.bfloat16, "fp32": None}[self.precision]
-        loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in zip(self.inputs, self.targets, strict=True):
-            # (autocast's cache of cast weights would hold tensors across the capture's end)
-            with torch.autocast(
-                "cuda", dtype=dtype, enabled=dtype is not None, cache_enabled=False
-            ):
-                loss = self.model(inputs, targets) / self.num_tokens
-            loss.backward()
-            loss_sum += loss.detach()
-            del loss
-        grad_norm = self.updater.clip_grad_norm_(self.grad_clip)
-        self.updater.step()
-        return loss_sum, grad_norm
+    def _step(self) -> StepResult:
+        """`train_step` on the input buffers, dividing by the device's token count."""
+        return train_step(
+            self.model, self.updater, DynamicLossScaler(enabled=False),
+            list(zip(self.inputs, self.targets, strict=True)), precision=self.precision,
+            device=self.device, grad_clip=self.grad_clip, token_count=self.num_tokens,
+        )  # fmt: skip
 
     def _capture(self) -> None:
-        self.updater.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self._outputs = self._body()
+                self._outputs = self._step()
         except RuntimeError as error:  # (torch.AcceleratorError is one too)
             first = error  # (the capture's end reports "a previous error": that one's cause)
             while first.__context__ is not None:
@@ -91,7 +92,8 @@ class GraphedStep:
             said = (str(first).strip() or type(first).__name__).splitlines()[0]
             raise RuntimeError(
                 "--cuda-graphs: the step could not be captured, an operation in it cannot run "
-                f"inside a CUDA graph ({said}); run without --cuda-graphs"
+                f"inside a CUDA graph ({said}); run without --cuda-graphs, in a new process (a failed "
+                "capture leaves this one's CUDA state unusable)"
             ) from error
         self.graph = graph
 
@@ -101,7 +103,6 @@ class GraphedStep:
                 f"the graph was captured for {self.inputs.shape[0]} micro-batches a step, got "
                 f"{len(micro_batches)}"
             )
-        num_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
         for index, (inputs, targets) in enumerate(micro_batches):
             # (the loss's own check of its targets reads the device: not inside the graph)
             bad = out_of_range_target(targets, self.vocab_size, -100)
@@ -116,18 +117,20 @@ class GraphedStep:
                 )
             self.inputs[index].copy_(inputs, non_blocking=True)
             self.targets[index].copy_(targets, non_blocking=True)
+        num_tokens = count_tokens(micro_batches)
         self.num_tokens.fill_(num_tokens)
         self.steps += 1
         if self.steps == 1:  # the warm-up: an eager step on a side stream
-            self.updater.optimizer.zero_grad(set_to_none=True)
-            stream = torch.cuda.Stream(self.device)
+            stream = warmup_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                loss_sum, grad_norm = self._body()
+                result = self._step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
         else:
             if self.graph is None:
                 self._capture()
             self.graph.replay()
-            loss_sum, grad_norm = self._outputs
-        return StepResult(loss=loss_sum, num_tokens=num_tokens, finite=True, grad_norm=grad_norm)
+            result = self._outputs
+        return StepResult(
+            loss=result.loss, num_tokens=num_tokens, finite=True, grad_norm=result.grad_norm
+        )

@@ -50,10 +50,14 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "fp32"
 
 
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+def autocast(
+    precision: str, device: torch.device, *, cache: bool = True
+) -> contextlib.AbstractContextManager:
+    """`precision`'s autocast on `device` (none for fp32); cache=False: no cache of cast weights
+    (a step captured in a CUDA graph, memfit.train.graphs)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision], cache_enabled=cache)
 
 
 def apply_fp32_parts(model: nn.Module, parts: Fp32Parts) -> nn.Module:

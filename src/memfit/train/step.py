@@ -1,6 +1,6 @@
-"""One training step, the only one: `memfit train` runs it, `memfit profile` observes it (with
-`--cuda-graphs`, memfit.train.graphs captures the same arithmetic for bf16 and fp32 runs on one
-process and replays it).
+"""One training step, the only one: `memfit train` runs it, `memfit profile` observes it, and
+with `--cuda-graphs` memfit.train.graphs captures it (bf16 and fp32 runs on one process) and
+replays it.
 
     for each of the step's micro-batches (k of them, T target tokens in all):
         forward under autocast, loss = (sum of token losses) / T   -> the exact gradient of one
@@ -85,11 +85,19 @@ def train_step(
     grad_clip: float,
     across_ranks: bool = False,
     observer: StepObserver | None = None,
+    token_count: Tensor | None = None,
 ) -> StepResult:
     """One optimizer step over `micro_batches` ((inputs, targets) pairs of token ids, each
-    (micro_batch, seq_len); targets -100 where no loss is taken). See the module docstring."""
+    (micro_batch, seq_len); targets -100 where no loss is taken). See the module docstring.
+
+    token_count: the step's target tokens as a device scalar, for a step being captured in a CUDA
+    graph (memfit.train.graphs), which reads nothing on the host: the loss is divided by it,
+    autocast keeps no cache of cast weights, and the result's num_tokens is 0 (the capturer
+    counts each replay's on the host)."""
     observer = observer or StepObserver()
-    num_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
+    captured = token_count is not None
+    num_tokens = 0 if captured else count_tokens(micro_batches)
+    divisor = token_count if captured else num_tokens
     loss_sum = torch.zeros((), device=device)
     for index, (inputs, targets) in enumerate(micro_batches):
         inputs = inputs.to(device, non_blocking=True)
@@ -98,9 +106,9 @@ def train_step(
         # data parallel: communicate once per step, on the last micro-batch's backward
         with updater.no_sync() if not last else contextlib.nullcontext():
             observer.begin("forward")
-            with autocast(precision, device):
+            with autocast(precision, device, cache=not captured):
                 # per rank, the mean over its tokens; the ranks' gradients are then averaged
-                loss = model(inputs, targets) / num_tokens
+                loss = model(inputs, targets) / divisor
                 observer.forward_done(index, loss)
             observer.end("forward")
             observer.begin("backward")
@@ -123,3 +131,8 @@ def train_step(
     scaler.update()
     observer.end("optimizer")
     return StepResult(loss=loss_sum, num_tokens=num_tokens, finite=finite, grad_norm=grad_norm)
+
+
+def count_tokens(micro_batches: Sequence[tuple[Tensor, Tensor]]) -> int:
+    """The target tokens of a step's micro-batches (those not -100); reads them on the host."""
+    return sum(int((targets != -100).sum()) for _, targets in micro_batches)
