@@ -9,6 +9,7 @@ the constants to write into memfit/planner/time.py and each record's error.
 
     python benchmarks/fit_time_model.py            # fit, print constants and errors
     python benchmarks/fit_time_model.py --score    # score the constants time.py has now
+    python benchmarks/fit_time_model.py --only KERNEL_SECONDS ...   # those alone
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ CONSTANTS = {
     "HOST_SECONDS_PER_BLOCK[full]": ("HOST_SECONDS_PER_BLOCK", "full"),
     "HOST_SECONDS_PER_BLOCK[selective]": ("HOST_SECONDS_PER_BLOCK", "selective"),
     "HOST_SECONDS_PER_STEP": "HOST_SECONDS_PER_STEP",
+    "GRAPHED_HOST_SECONDS_PER_STEP": "GRAPHED_HOST_SECONDS_PER_STEP",
+    "KERNEL_SECONDS": "KERNEL_SECONDS",
+    "PRODUCT_ROWS": "PRODUCT_ROWS",
 }
 # the range each may take (fractions of a peak rate at most 1, counts and seconds positive)
 BOUNDS = {
@@ -47,7 +51,7 @@ BOUNDS = {
     "ATTENTION_EFFICIENCY[128]": (0.05, 1.0),
     "FP32_SLOWDOWN": (1.0, 100.0),
 }
-FITTED_PARTS = ("fit", "host")
+FITTED_PARTS = ("fit", "host", "graph_floor")
 
 
 def get_constant(where) -> float:
@@ -101,6 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--score", action="store_true", help="score time.py's constants only")
+    parser.add_argument(
+        "--only", nargs="+", choices=list(CONSTANTS), metavar="CONSTANT",
+        help="fit these constants only, the others kept as time.py has them",
+    )  # fmt: skip
     args = parser.parse_args()
     records = load_records(args.results)
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +119,7 @@ def main() -> None:
     if not args.score:
         from scipy.optimize import least_squares
 
-        names = list(CONSTANTS)
+        names = args.only or list(CONSTANTS)
         start = [get_constant(CONSTANTS[n]) for n in names]
         low = [BOUNDS.get(n, (0.0, math.inf))[0] for n in names]
         high = [BOUNDS.get(n, (0.0, math.inf))[1] for n in names]

@@ -1243,7 +1243,7 @@ def _time_model_records(run: dict, part: str) -> list[dict]:
     """The records of `part` in every run, each with its run's start (UTC): each run had a
     machine of its own."""
     return [
-        {**r, "started": x["env"]["date"][11:16]}
+        {**r, "started": x["env"]["date"][11:16], "gpu": x["env"].get("gpu", "")}
         for x in run.get("all_runs", [run])
         for r in x["records"]
         if r.get("part") == part
@@ -1273,10 +1273,20 @@ def _model_and_strategy(record: dict):
 
 
 def _today(record: dict):
-    """Today's time model's StepTime for a time_model.json record."""
+    """Today's time model's StepTime for a time_model.json record, on its GPU."""
     from memfit.planner import GPUS, step_time
 
-    return step_time(*_model_and_strategy(record), GPUS["h100-sxm"])
+    gpu = GPUS["h200" if "H200" in record.get("gpu", "") else "h100-sxm"]
+    return step_time(*_model_and_strategy(record), gpu)
+
+
+def _host_sets_pace(record: dict) -> bool:
+    """memfit.planner.time.host_sets_pace for a time_model.json record, on its GPU."""
+    from memfit.planner import GPUS
+    from memfit.planner.time import host_sets_pace
+
+    gpu = GPUS["h200" if "H200" in record.get("gpu", "") else "h100-sxm"]
+    return host_sets_pace(*_model_and_strategy(record), gpu)
 
 
 def _time_strategy(r: dict) -> str:
@@ -1318,39 +1328,76 @@ def time_model_table(run: dict) -> str:
         lines.append(
             f"| {r['model']} | {r['params'] / 1e9:.2f}B | {_time_strategy(r)} | {r['started']} | "
             f"{r['step_s'] * 1e3:.1f} | {today.total_s * 1e3:.1f} | "
-            f"{today.total_s / r['step_s'] - 1:+.1%} | {'yes' if today.host_s else 'no'} | "
+            f"{today.total_s / r['step_s'] - 1:+.1%} | {'yes' if _host_sets_pace(r) else 'no'} | "
             f"{r['predicted_step_s'] * 1e3:.1f} ({r['time_error']:+.1%}) |"
         )
     return "\n".join(lines)
 
 
-def graphs_table(run: dict) -> str:
-    """benchmarks/time_model.py --parts graphs: each configuration's eager step and its step
-    captured in a CUDA graph (`--cuda-graphs`), one after the other on one machine."""
-    run = _part_run(run, "graphs")
+def graphs_table(run: dict, part: str = "graphs") -> str:
+    """benchmarks/time_model.py --parts graphs (or held_out_graphs): each configuration's eager
+    step and its step captured in a CUDA graph (`--cuda-graphs`), one after the other on one
+    machine, against today's time model."""
+    run = _part_run(run, part)
     lines = [
         _env_line(
             run, "random weights, median of 5 steps after 3; the eager step, then the captured one."
         )
-        + " Predicted: the time model of the run (its GPU's constants).",
+        + " Predicted: today's time model (the run's GPU's constants); captured: - where the"
+        " engine refuses to capture the step (the reason in time_model.json).",
         "",
         "| model | strategy | eager (ms) | captured (ms) | speed-up | eager predicted | captured predicted |",
         "|---|---|---|---|---|---|---|",
     ]
-    records = [r for r in _time_model_records(run, "graphs") if "step_s" in r]
-    eager = {
-        (r["model"], _time_strategy(r)): r for r in records if not r["settings"].get("cuda_graphs")
+    records = _time_model_records(run, part)
+    captured = {
+        (r["model"], r["seq_len"], r["micro_batch"], r["checkpointing"]): r
+        for r in records
+        if r["settings"].get("cuda_graphs")
     }
     for r in records:
-        before = eager.get((r["model"], _time_strategy(r)))
-        if not r["settings"].get("cuda_graphs") or before is None:
+        graphed = captured.get((r["model"], r["seq_len"], r["micro_batch"], r["checkpointing"]))
+        if r["settings"].get("cuda_graphs") or "step_s" not in r or graphed is None:
             continue
-        lines.append(
-            f"| {r['model']} | {_time_strategy(r)} | {before['step_s'] * 1e3:.1f} | "
-            f"{r['step_s'] * 1e3:.1f} | {before['step_s'] / r['step_s']:.2f}x | "
-            f"{before['predicted_step_s'] * 1e3:.1f} ({before['time_error']:+.1%}) | "
-            f"{r['predicted_step_s'] * 1e3:.1f} ({r['time_error']:+.1%}) |"
-        )
+        eager = _today(r).total_s
+        row = f"| {r['model']} | {_time_strategy(r)} | {r['step_s'] * 1e3:.1f} | "
+        if "step_s" in graphed:
+            today = _today(graphed).total_s
+            row += (
+                f"{graphed['step_s'] * 1e3:.1f} | {r['step_s'] / graphed['step_s']:.2f}x | "
+                f"{eager * 1e3:.1f} ({eager / r['step_s'] - 1:+.1%}) | "
+                f"{today * 1e3:.1f} ({today / graphed['step_s'] - 1:+.1%}) |"
+            )
+        else:
+            row += f"- | - | {eager * 1e3:.1f} ({eager / r['step_s'] - 1:+.1%}) | - |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def graph_floor_table(run: dict) -> str:
+    """benchmarks/time_model.py --parts graph_floor graph_floor_held_out: short steps captured in
+    a CUDA graph, where each kernel's least time shows, against today's time model (fitted to
+    the designed shapes, not to the Hugging Face models) and the one of the run."""
+    run = _part_run(run, "graph_floor")
+    lines = [
+        _env_line(run, "random weights, captured steps (`--cuda-graphs`), median of 5 after 3.")
+        + " Kernels: one step's, counted with torch.profiler. Predicted: today's time model and,"
+        " in brackets, the one the run had (no least time a kernel, products at their full rate).",
+        "",
+        "| model | fitted | strategy | kernels | measured (ms) | predicted (ms) | error | predicted when run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for part in ("graph_floor", "graph_floor_held_out"):
+        for r in _time_model_records(run, part):
+            if "step_s" not in r:
+                continue
+            today = _today(r).total_s
+            lines.append(
+                f"| {r['model']} | {'yes' if part == 'graph_floor' else 'no'} | "
+                f"{_time_strategy(r)} | {r.get('kernels') or '-'} | {r['step_s'] * 1e3:.1f} | "
+                f"{today * 1e3:.1f} | {today / r['step_s'] - 1:+.1%} | "
+                f"{r['predicted_step_s'] * 1e3:.1f} ({r['time_error']:+.1%}) |"
+            )
     return "\n".join(lines)
 
 
@@ -1525,6 +1572,13 @@ TABLES: dict[str, tuple[str, Callable[[dict], str], Callable[[dict], bool], bool
     "fp32_parts": ("time_model", fp32_parts_table, _has("records"), True),
     "allocator_capacity": ("time_model", capacity_table, _has("records"), True),
     "cuda_graphs": ("time_model", graphs_table, _has("records"), True),
+    "held_out_graphs": (
+        "time_model",
+        lambda run: graphs_table(run, "held_out_graphs"),
+        _has("records"),
+        True,
+    ),
+    "graph_floor": ("time_model", graph_floor_table, _has("records"), True),
 }
 MERGED = ("records", "checks", "window", "memory")
 

@@ -1,4 +1,5 @@
 import json
+import shlex
 
 import pytest
 import torch
@@ -293,3 +294,22 @@ def test_train_auto_under_torchrun_plans_for_every_gpu(monkeypatch, world_size):
     train = chosen.train
     assert (train.micro_batch, train.grad_accum) == (best.micro_batch, best.grad_accum)
     assert train.micro_batch * train.grad_accum * gpus * config.data.seq_len == tokens
+
+
+def test_plan_recommend_names_the_model_as_given(tmp_path, capsys):
+    """The command `--recommend` prints runs the model it planned: a config.json's path as given
+    (not the name inside it, which `memfit train --model` would not find)."""
+    config = {
+        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+        "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+        "_name_or_path": "HuggingFaceTB/SmolLM2-135M",
+    }  # fmt: skip
+    path = tmp_path / "my model" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--model", str(path), "--recommend", "--seq-len", "1024"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    command = out.split("full: run the first: ")[1].split(" LoRA r16:")[0]
+    argv = shlex.split(command)
+    assert argv[argv.index("--model") + 1] == str(path)

@@ -214,7 +214,8 @@ def test_a_step_that_cannot_be_captured_says_so(tmp_path):
 
 def test_the_search_captures_host_bound_steps_only():
     """`--recommend` and `--auto` list a small model's short steps captured (the host would set
-    their pace) with the reason, and leave a step the GPU sets the pace of eager."""
+    their pace) with the reason, and a step whose eager host launches take half the GPU's time
+    or more (a slower host would set its pace); a step the GPU sets the pace of stays eager."""
     from memfit.models.config import ModelConfig
     from memfit.planner import GPUS, rank_strategies
 
@@ -226,5 +227,19 @@ def test_the_search_captures_host_bound_steps_only():
     assert found[0].strategy.cuda_graphs
     assert "captured in a CUDA graph" in found[0].reasons
     assert "cuda graphs" in found[0].strategy.describe()
+    # llama-1b: the micro-batches whose eager host launches take under half the GPU's time
+    # stay eager; mb 2's (78%) is captured, saying why
+    from dataclasses import replace
+
+    from memfit.planner.search import GRAPHS_HOST_SHARE
+    from memfit.planner.time import host_share
+
     large = rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], seq_len=2048)
-    assert not any(r.strategy.cuda_graphs for r in large)
+    for r in large:
+        share = host_share(
+            PRESETS["llama-1b"], replace(r.strategy, cuda_graphs=False), GPUS["h100-sxm"]
+        )
+        assert r.strategy.cuda_graphs == (share >= GRAPHS_HOST_SHARE), (r.strategy, share)
+    assert not large[0].strategy.cuda_graphs
+    graphed = [r for r in large if r.strategy.cuda_graphs]
+    assert graphed and all("host launches take" in r.reasons for r in graphed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 from dataclasses import asdict
 
 from rich.console import Console
@@ -200,7 +201,7 @@ def run_rank_strategies(
                 )
             )
         console.print(
-            f"{goal}: run the first: {escape(train_command(model.name, best))}", highlight=False
+            f"{goal}: run the first: {escape(train_command(args.model, best))}", highlight=False
         )
     return rc
 
@@ -248,12 +249,13 @@ def _goals_table(
 
 
 def train_command(model: str, strategy: Strategy) -> str:
-    """The `memfit train` command line of a strategy (under torchrun on several GPUs)."""
+    """The `memfit train` command line of a strategy (under torchrun on several GPUs); `model`:
+    what --model was given (a preset, or the path of a config.json)."""
     launch = "memfit train"
     if strategy.world_size > 1:
         launch = f"torchrun --nproc_per_node {strategy.world_size} -m memfit train"
     parts = [
-        f"{launch} --model {model} --precision {strategy.precision}",
+        f"{launch} --model {shlex.quote(model)} --precision {strategy.precision}",
         f"--seq-len {strategy.seq_len} --micro-batch {strategy.micro_batch}",
         f"--grad-accum {strategy.grad_accum} --checkpointing {strategy.checkpointing}",
     ]

@@ -1,14 +1,19 @@
 """The time model: a roofline of one optimizer step, its constants measured (BENCHMARKS.md).
 
-    compute       = the products' FLOPs / (peak dense rate x efficiency(hidden size))
+    compute       = the products' FLOPs / (peak dense rate x efficiency(hidden size) x
+                    product_occupancy(tokens a micro-batch))
                     + attention's FLOPs / (peak dense rate x attention_efficiency(head dim))
                     + the blocks' elementwise passes, the loss's passes over its logits, and
                     the weights' and gradients' traffic outside the matmuls / HBM bandwidth
                     (fp16: the fused loss's gradient products at the fp32 rate)
+                    + floor^2 / (floor + the passes' time): each kernel takes the GPU at least
+                    KERNEL_SECONDS (floor = the step's kernels x that), which short steps show
     recompute     = what activation checkpointing runs again of the blocks' forward (full: all
                     of it; selective: all but attention)
     host          = what the host's kernel launches take beyond that: eager blocks cost the host
-                    milliseconds each (HOST_SECONDS_PER_BLOCK), so small models wait for Python
+                    milliseconds each (HOST_SECONDS_PER_BLOCK), so small models wait for Python;
+                    a step captured in a CUDA graph, GRAPHED_HOST_SECONDS_PER_STEP while the GPU
+                    waits
     optimizer     = bytes the update reads and writes / (HBM bandwidth x 0.8) (AdamW: parameter,
                     gradient and two moments read, three written: 28 B/param), or with offload
                     the CPU step at the node's rate and the PCIe copies
@@ -30,6 +35,10 @@ from 0.5B to 8B, all within 10% where the GPU sets the pace (BENCHMARKS.md, "The
 - elementwise passes 147 bytes a token per unit of hidden width per block (the SwiGLU width
   adds nothing the fit can tell apart), the loss 22 bytes a logit; fp32 products 1/21 of the
   dense rate (fitted to fp16's loss gradients).
+- kernels 2.8 us each at least, products at 1 - exp(-rows / 550) of their rate, a captured
+  step's host 1.2 ms: fitted (those three alone, the rest kept) to 32 captured steps of 256 to
+  4096 tokens a micro-batch of four designed shapes on an H200 (part graph_floor); five Hugging
+  Face models' held out: worst -9.8%, rms 4.4% (without these terms -69%, 35%).
 - the host: 2.6 ms a block and micro-batch without checkpointing, 5.2 with full, 7.9 with
   selective (torch's selective-checkpoint policy sees every operation of the forward and of
   its rerun), and 14 ms a step. The host's speed moved host-bound steps by up to 2x between
@@ -129,9 +138,25 @@ HOST_SECONDS_PER_BLOCK = {"none": 2.58e-3, "full": 5.15e-3, "selective": 7.91e-3
 eager, by checkpointing (`host_seconds`)."""
 HOST_SECONDS_PER_STEP = 13.7e-3
 """The host's time a step spends outside the blocks (the loss, the update, clipping, metrics)."""
-GRAPHED_HOST_SECONDS_PER_STEP = 1e-3
+GRAPHED_HOST_SECONDS_PER_STEP = 1.2e-3
 """The host's time a step captured in a CUDA graph takes (`--cuda-graphs`): the batch's copies,
-the replay's one launch, the schedule and the metrics; the blocks' launches are in the graph."""
+the replay's one launch, the schedule and the metrics, while the GPU waits (the engine reads the
+loss after each step); the blocks' launches are in the graph."""
+KERNELS_PER_BLOCK = {"none": 41, "full": 55, "selective": 55}
+"""The kernels one block's forward and backward (and rerun) runs for one micro-batch, by
+checkpointing: products, attention, norms, RoPE, SwiGLU, residual adds, casts (counted with
+torch.profiler in captured steps of nine models, time_model.json part graph_floor: 41-50 without
+checkpointing, Qwen2's biases the most)."""
+KERNELS_PER_MICRO_BATCH = 90
+"""The kernels a micro-batch runs outside the blocks: the embedding, the loss's chunks (a 128k
+vocabulary's about 100 more than a 32k one's), the gradients' accumulation, the update's
+share."""
+KERNEL_SECONDS = 2.8e-6
+"""The least time a kernel takes the GPU however little it does: its launch within a graph,
+its ramp-up and drain (`kernel_floor_seconds`)."""
+PRODUCT_ROWS = 550.0
+"""The rows (tokens a micro-batch) that set how far short steps' products fall below their rate:
+a product of few rows has too few tiles to fill the GPU's SMs (`product_occupancy`)."""
 QUANT_MATMUL_SLOWDOWN = 2.5
 """How much slower memfit's fused dequantizing matmul (memfit.ops.quant.matmul) runs than the
 bf16 cuBLAS product it replaces, where memfit.nn.quant runs it: products of at most
@@ -187,6 +212,13 @@ def efficiency(model: ModelConfig) -> float:
     return PEAK_EFFICIENCY * model.hidden_size / (model.hidden_size + HALF_EFFICIENCY_WIDTH)
 
 
+def product_occupancy(strategy: Strategy) -> float:
+    """The part of `efficiency` a micro-batch's products keep at its rows (micro_batch x
+    seq_len): 1 - exp(-rows / PRODUCT_ROWS), 1 at the thousands of rows of training steps,
+    lower for short steps, whose products have too few tiles for the GPU's SMs."""
+    return -math.expm1(-strategy.micro_batch * strategy.seq_len / PRODUCT_ROWS)
+
+
 def attention_efficiency(head_dim: int) -> float:
     """The fraction of the peak dense rate SDPA's fused attention reaches, forward and backward:
     measured at head dims 64 and 128, between them interpolated, outside them the nearer."""
@@ -221,6 +253,36 @@ def host_seconds(model: ModelConfig, strategy: Strategy) -> float:
         + (model.num_layers - checked) * HOST_SECONDS_PER_BLOCK["none"]
     )
     return HOST_SECONDS_PER_STEP + strategy.grad_accum * per_micro_batch
+
+
+def kernel_floor_seconds(model: ModelConfig, strategy: Strategy) -> float:
+    """The least time the GPU takes for a step's kernels: KERNEL_SECONDS for each of
+    KERNELS_PER_BLOCK (by the block's checkpointing) and KERNELS_PER_MICRO_BATCH. A short step's
+    passes outside the products take this rather than their bytes' time (`step_time`); where
+    the host launches every kernel (eager) it hides behind the host's time, and steps captured
+    in a CUDA graph show it."""
+    checked = memory.checkpointed_blocks(model, strategy)
+    kernels = (
+        KERNELS_PER_MICRO_BATCH
+        + checked * KERNELS_PER_BLOCK[strategy.checkpointing]
+        + (model.num_layers - checked) * KERNELS_PER_BLOCK["none"]
+    )
+    return strategy.grad_accum * kernels * KERNEL_SECONDS
+
+
+def host_share(model: ModelConfig, strategy: Strategy, gpu: GPU) -> float:
+    """The host's launches (`host_seconds`) as a share of the GPU's time on the step's forward
+    and backward: 1 and over where the host sets the pace; a step captured in a CUDA graph has
+    only its replay's."""
+    time = step_time(model, strategy, gpu)
+    return host_seconds(model, strategy) / (time.compute_s + time.recompute_s)
+
+
+def host_sets_pace(model: ModelConfig, strategy: Strategy, gpu: GPU) -> bool:
+    """Whether the host's launches take at least 90% of the GPU's time (`host_share`): a step
+    whose pace the host sets, or nearly, and so moves with the host's speed (up to 2x between
+    machines of one kind, BENCHMARKS.md)."""
+    return host_share(model, strategy, gpu) >= 0.9
 
 
 def _training_flops_parts(model: ModelConfig, strategy: Strategy) -> tuple[float, float]:
@@ -396,7 +458,7 @@ def step_time(
 ) -> StepTime:
     """The time model's optimizer step; `host_cpus`: the training node's CPU cores (offload)."""
     tokens = strategy.micro_batch * strategy.seq_len * strategy.grad_accum
-    rate = gpu.bf16_flops * efficiency(model)
+    rate = gpu.bf16_flops * efficiency(model) * product_occupancy(strategy)
     attention_rate = gpu.bf16_flops * attention_efficiency(model.head_dim)
     if strategy.precision == "fp32":
         rate = fp32_flops_per_s(gpu, strategy)
@@ -410,7 +472,8 @@ def step_time(
     weights = strategy.grad_accum * P * weight_traffic_bytes(strategy, checked) / hbm
     compute = tokens * (matmul_flops / rate + attention_flops / attention_rate) + weights
     compute += tokens * lora_traffic_bytes_per_token(model, strategy) / hbm
-    compute += tokens * (elementwise_bytes_per_token(model) + loss_bytes_per_token(model)) / hbm
+    passes = tokens * (elementwise_bytes_per_token(model) + loss_bytes_per_token(model)) / hbm
+    compute += passes
     if strategy.precision == "fp16" and strategy.fused_cross_entropy:
         # the fused loss's gradient products run in fp32 (fp16 cannot hold small softmax
         # values: memfit.ops.cross_entropy): the head's input and weight gradients
@@ -431,6 +494,12 @@ def step_time(
         if strategy.checkpointing == "full":
             recompute += attention_forward / attention_rate
         recompute *= checked * tokens
+    # each kernel takes the GPU KERNEL_SECONDS however little it does: a short step's kernels
+    # take about that floor, a long step's passes hide it (floor^2 / (floor + passes) is the
+    # floor where the passes take no time and fades as they grow)
+    passes += checked * tokens * forward_elementwise
+    floor = kernel_floor_seconds(model, strategy)
+    compute += floor * floor / (floor + passes)
     # QLoRA: each pass of the base's products (forward, recompute, input gradient) dequantizes
     # its weights for cuBLAS, or runs the fused kernel (QUANT_MATMUL_SLOWDOWN)
     if strategy.quantize_base != "none":
@@ -447,7 +516,10 @@ def step_time(
                 / rate
             )
 
-    host = host_seconds(model, strategy) - (compute + recompute)
+    if strategy.cuda_graphs:  # the GPU waits for the host between replays
+        host = host_seconds(model, strategy)
+    else:  # the host launches while the GPU works: the longer of the two sets the pace
+        host = host_seconds(model, strategy) - (compute + recompute)
 
     N = strategy.world_size
     bytes_per_param = get_optimizer(strategy.optimizer).update_bytes_per_param
