@@ -281,4 +281,5 @@ def test_fp32_parts_on_cuda(attention, compiled):
     for parts in ("", "first:1,last:1,head"):
         loss, grads = run(parts)
         errors.append(((loss - exact[0]).abs().item(), ((grads - exact[1]).norm()).item()))
-    assert errors[1][0] < errors[0][0] and errors[1][1] < errors[0][1], errors
+    # (the losses are bf16-rounded: the ends in fp32 may land on bf16's very error)
+    assert errors[1][0] <= errors[0][0] and errors[1][1] < errors[0][1], errors

@@ -98,7 +98,11 @@ def test_make_capturable_keeps_the_schedule_on_the_device():
 def test_graphed_steps_train_as_eager_steps_do(tmp_path, settings):
     """Eight steps from one seed, eager and captured (step 1 eager on a side stream, step 2
     captured and replayed, then replays): the same losses, gradient norms, learning rates and
-    weights, to the rounding of a product whose algorithm may differ under capture."""
+    weights, to the rounding of a product whose algorithm may differ under capture. Compiled
+    blocks start afresh for each case: after the earlier cases' compilations, one of the two
+    runs could fall back to eager blocks (torch's recompile limit) and round differently
+    (QLoRA's at lr 1e-2 then 0.4% apart; alone, its eager and captured losses are equal)."""
+    torch._dynamo.reset()
     runs = {}
     for graphed in (False, True):
         trainer = make_trainer(
@@ -110,11 +114,8 @@ def test_graphed_steps_train_as_eager_steps_do(tmp_path, settings):
         if graphed:
             assert trainer.graphed.graph is not None
     (eager, w_eager), (captured, w_captured) = runs[False], runs[True]
-    # (QLoRA's products of dequantized bf16 weights at lr 1e-2 amplify a rounding difference:
-    # its losses were seen 4e-4 apart, where the others agree to 1e-4)
-    loss_rel = 1e-3 if settings.get("lora", {}).get("quantize") else 1e-4
     for a, b in zip(eager, captured, strict=True):
-        assert b.loss == pytest.approx(a.loss, rel=loss_rel)
+        assert b.loss == pytest.approx(a.loss, rel=1e-4)
         assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-3)
         assert b.lr == pytest.approx(a.lr, rel=1e-6)
     assert captured[-1].loss < captured[0].loss
@@ -228,18 +229,20 @@ def test_the_search_captures_host_bound_steps_only():
     assert "captured in a CUDA graph" in found[0].reasons
     assert "cuda graphs" in found[0].strategy.describe()
     # llama-1b: the micro-batches whose eager host launches take under half the GPU's time
-    # stay eager; mb 2's (78%) is captured, saying why
+    # stay eager; mb 2's (78%) is captured, saying why (host memory given: the activation
+    # offload strategies listed depend on it)
     from dataclasses import replace
 
-    from memfit.planner.search import GRAPHS_HOST_SHARE
+    from memfit.planner.search import GRAPHS_HOST_SHARE, capture_refusal
     from memfit.planner.time import host_share
 
-    large = rank_strategies(PRESETS["llama-1b"], GPUS["h100-sxm"], seq_len=2048)
+    h100, llama = GPUS["h100-sxm"], PRESETS["llama-1b"]
+    large = rank_strategies(llama, h100, seq_len=2048, host_memory=64 * 2**30, limit=20)
     for r in large:
-        share = host_share(
-            PRESETS["llama-1b"], replace(r.strategy, cuda_graphs=False), GPUS["h100-sxm"]
-        )
-        assert r.strategy.cuda_graphs == (share >= GRAPHS_HOST_SHARE), (r.strategy, share)
+        eager = replace(r.strategy, cuda_graphs=False)
+        capturable = capture_refusal(eager) is None
+        share = host_share(llama, eager, h100)
+        assert r.strategy.cuda_graphs == (capturable and share >= GRAPHS_HOST_SHARE), (eager, share)
     assert not large[0].strategy.cuda_graphs
     graphed = [r for r in large if r.strategy.cuda_graphs]
     assert graphed and all("host launches take" in r.reasons for r in graphed)
