@@ -35,9 +35,10 @@ _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream the warm-up step runs on, one a device for the process: torch keeps a
-    cuBLAS workspace for every stream a product ever ran on (32 MiB each on Hopper), so a new
-    stream a run would hold that much more for each run a process makes."""
+    """The side stream the warm-up step runs on, one a device for the process: torch keeps
+    cuBLAS workspaces for every stream a product ever ran on (64 MiB a stream on an H200, as
+    time_model.py's runs found), so a new stream a run would hold that much more for each run
+    a process makes."""
     if device not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
     return _WARMUP_STREAMS[device]
